@@ -1,0 +1,101 @@
+"""The small protocol between the manager and a device (DESIGN §2.7).
+
+The manager never branches on which backend it has, except through this protocol. A backend knows
+how to reserve address ranges, create and map physical memory, view memory as torch tensors, and
+move bytes; it knows nothing of tags, policies or states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class Copy(NamedTuple):
+    """One copy of ``nbytes`` from ``src`` to ``dst`` (raw addresses)."""
+
+    dst: int
+    src: int
+    nbytes: int
+
+
+class Span(NamedTuple):
+    """``nbytes`` of memory at ``address``."""
+
+    address: int
+    nbytes: int
+
+
+class Backend(Protocol):
+    """A device whose memory can be reserved, mapped, unmapped and released separately.
+
+    Contract:
+    - ``reserve`` returns a range no one else uses, aligned to ``granularity``; it stays reserved
+      until ``free_reservation``.
+    - ``create`` raises ``OutOfMemoryError`` (and changes nothing) when memory is short.
+    - ``map`` makes ``[va, va + size)`` read-write backed by ``handle``; ``unmap`` makes the range
+      inaccessible again but keeps it reserved. Freshly created memory reads as zero.
+    - ``copy_to_host`` / ``copy_to_device`` / ``fill`` return only when the bytes have landed.
+    """
+
+    name: str
+    device: torch.device
+    device_key: str
+    granularity: int
+
+    def reserve(self, size: int) -> int: ...
+    def free_reservation(self, va: int, size: int) -> None: ...
+    def create(self, size: int) -> int: ...
+    def map(self, va: int, size: int, handle: int) -> None: ...
+    def unmap(self, va: int, size: int) -> None: ...
+    def release(self, handle: int) -> None: ...
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
+        ...
+
+    def other_usage(self) -> dict[str, int]:
+        """Device memory held by known owners other than the manager, by owner."""
+        ...
+
+    def synchronize(self) -> None:
+        """Waits for all work on the device, on every stream."""
+        ...
+
+    def view(self, va: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor: ...
+    def fill(self, spans: Sequence[Span], value: int) -> None: ...
+    def copy_to_host(self, copies: Sequence[Copy]) -> None: ...
+    def copy_to_device(self, copies: Sequence[Copy]) -> None: ...
+    def content_hashes(self, spans: Sequence[Span]) -> list[bytes]:
+        """A ≥128-bit digest of each span's contents, computed where the memory lives."""
+        ...
+
+    def pin(self, address: int, size: int) -> None:
+        """Registers host memory for fast asynchronous copies (a no-op where none is needed)."""
+        ...
+
+    def unpin(self, address: int, size: int) -> None: ...
+
+
+def open_backend(
+    device: str | torch.device | Backend, *, host_capacity: int | None = None
+) -> Backend:
+    """The backend for ``device``: ``"cuda[:N]"``, ``"host"``/``"cpu"``, or ``"auto"``."""
+    if not isinstance(device, str | torch.device):
+        return device
+    name = str(device)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "host"
+    if name.startswith("cuda"):
+        if host_capacity is not None:
+            raise ValueError("host_capacity applies to the host backend only")
+        from dormant.memory.cuda_backend import CudaBackend
+
+        index = torch.device(name).index
+        return CudaBackend(torch.cuda.current_device() if index is None else index)
+    if name in ("host", "cpu"):
+        from dormant.memory.host_backend import HostBackend
+
+        return HostBackend(capacity=host_capacity)
+    raise ValueError(f"unknown device {device!r}; use 'cuda', 'cuda:N', 'host' or 'auto'")

@@ -1,0 +1,86 @@
+"""Every live block of a manager, by tag and address, with its audit record.
+
+Owns the per-tag pools and knows how a block's death propagates: the block returns to its pool,
+and an allocation that dies with it gives back its VA and its host copy in the arena.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+from dormant.memory.allocation import Allocation, Kind, State
+from dormant.memory.arena import HostArena
+from dormant.memory.audit import AuditRecord, call_site
+from dormant.memory.backend import Backend
+from dormant.memory.pool import Block, TagPool
+
+
+class BlockTable:
+    """Invariant: ``_blocks`` holds exactly the blocks that are allocated and not yet freed."""
+
+    def __init__(self, backend: Backend, arena: HostArena, slab_bytes: int) -> None:
+        self._backend = backend
+        self._arena = arena
+        self._slab_bytes = slab_bytes
+        self.pools: dict[str, TagPool] = {}
+        self._blocks: dict[int, tuple[Block, AuditRecord]] = {}
+
+    def add_tag(self, tag: str) -> None:
+        self.pools[tag] = TagPool(self._backend, tag, self._slab_bytes)
+
+    def allocations(self, tags: Iterable[str] | None = None) -> Iterator[Allocation]:
+        for tag in self.pools if tags is None else tags:
+            yield from self.pools[tag].allocations
+
+    def records(self) -> Iterator[AuditRecord]:
+        return (record for _, record in self._blocks.values())
+
+    def allocate(self, nbytes: int, tag: str, kind: Kind) -> Block:
+        """A new block, recorded with its call site; raw blocks start undeclared."""
+        block = self.pools[tag].allocate(nbytes, kind)
+        site = call_site()
+        record = AuditRecord(tag, block.address, nbytes, kind.value, site, kind is not Kind.RAW)
+        self._blocks[block.address] = (block, record)
+        return block
+
+    def raw_block(self, address: int) -> Block:
+        entry = self._blocks.get(address)
+        if entry is None or entry[0].kind is not Kind.RAW:
+            raise ValueError(f"{address:#x} is not a live raw allocation of this manager")
+        return entry[0]
+
+    def find(self, address: int) -> Block:
+        """The block containing ``address``; ValueError if none does."""
+        for block, record in self._blocks.values():
+            if record.contains(address):
+                return block
+        raise ValueError(f"address {address:#x} is not memory of this MemoryManager")
+
+    def declare(self, address: int) -> None:
+        block = self.find(address)
+        block_, record = self._blocks[block.address]
+        self._blocks[block.address] = (block_, replace(record, is_declared=True))
+
+    def free(self, block: Block) -> None:
+        """Frees ``block`` in any state; its allocation's VA and host copy go if it was the last."""
+        del self._blocks[block.address]
+        destroyed = self.pools[block.allocation.tag].free(block)
+        if destroyed is not None and destroyed.region is not None:
+            self._arena.free(destroyed.region)
+            destroyed.region = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._blocks and not any(self.allocations())
+
+    def drop_host_copies(self) -> None:
+        """Frees every host copy and the arena, unless something offloaded still needs them."""
+        allocations = list(self.allocations())
+        if any(a.state is State.OFFLOADED for a in allocations):
+            return
+        for allocation in allocations:
+            if allocation.region is not None:
+                self._arena.free(allocation.region)
+                allocation.region, allocation.digest = None, None
+        self._arena.release()

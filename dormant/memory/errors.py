@@ -1,0 +1,72 @@
+"""Typed errors of the memory layer.
+
+Every error says what was wrong, what state the memory is in, and what to do instead.
+A call that raises one of these (except :class:`DriverError`) has changed no state.
+"""
+
+from __future__ import annotations
+
+
+class MemoryLayerError(RuntimeError):
+    """Base class of every error raised by ``dormant.memory``."""
+
+
+class UnknownTagError(MemoryLayerError, KeyError):
+    """A tag that was never registered with the manager."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class UnknownPolicyError(MemoryLayerError, ValueError):
+    """A policy that is not one of KEEP, HOST, DISCARD."""
+
+
+class SleepConflictError(MemoryLayerError):
+    """A sleep request conflicts with how a tag is already asleep (a different policy)."""
+
+
+class TagAsleepError(MemoryLayerError):
+    """Allocating in, or touching, a tag whose memory is not mapped."""
+
+
+class OutOfMemoryError(MemoryLayerError):
+    """The backend could not create physical memory.
+
+    Attributes:
+        bytes_requested: bytes the failing operation asked for in total.
+        bytes_free: bytes the backend reported free when it failed.
+    """
+
+    def __init__(self, message: str, bytes_requested: int, bytes_free: int) -> None:
+        super().__init__(message)
+        self.bytes_requested = bytes_requested
+        self.bytes_free = bytes_free
+
+
+class WakeOutOfMemoryError(OutOfMemoryError):
+    """Wake could not map everything; it rolled back and the states are unchanged."""
+
+
+class HostArenaError(MemoryLayerError):
+    """The host arena could not be grown or pinned."""
+
+
+class StrictModeError(MemoryLayerError):
+    """Strict mode found undeclared allocations in a tag about to be discarded."""
+
+
+class PointerGuardError(MemoryLayerError):
+    """A guarded tensor no longer has the address it had when it was guarded."""
+
+
+class ManagerClosedError(MemoryLayerError):
+    """The manager was closed."""
+
+
+class ManagerExistsError(MemoryLayerError):
+    """A second live manager was created for a device that already has one."""
+
+
+class DriverError(MemoryLayerError):
+    """A CUDA driver call failed. The message names the call and the CUDA error string."""

@@ -1,0 +1,70 @@
+"""First-fit allocation of offsets inside a fixed-size range, with coalescing.
+
+Used for sub-allocating small tensors inside a slab and for regions inside the host arena.
+
+Invariant: the free spans are sorted, disjoint, non-adjacent (always coalesced), and together with
+the allocated spans they tile ``[0, size)`` exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+def align_up(value: int, alignment: int) -> int:
+    """The smallest multiple of ``alignment`` that is ≥ ``value``."""
+    return -(-value // alignment) * alignment
+
+
+class RangeAllocator:
+    """Hands out aligned ``[offset, offset + nbytes)`` spans of a range of ``size`` bytes."""
+
+    def __init__(self, size: int, alignment: int = 256) -> None:
+        self.size = size
+        self.alignment = alignment
+        self._free_starts: list[int] = [0]
+        self._free_ends: list[int] = [size]
+        self._allocated: dict[int, int] = {}
+
+    @property
+    def num_allocated(self) -> int:
+        return len(self._allocated)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(self._allocated.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._allocated
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a new span of ``nbytes`` (rounded to the alignment), or None if full."""
+        need = align_up(max(nbytes, 1), self.alignment)
+        for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends, strict=True)):
+            if end - start >= need:
+                if end - start == need:
+                    del self._free_starts[i], self._free_ends[i]
+                else:
+                    self._free_starts[i] = start + need
+                self._allocated[start] = need
+                return start
+        return None
+
+    def free(self, offset: int) -> None:
+        """Returns the span at ``offset``; raises KeyError if it is not allocated."""
+        start = offset
+        end = start + self._allocated.pop(offset)
+        i = bisect.bisect_left(self._free_starts, start)
+        merges_left = i > 0 and self._free_ends[i - 1] == start
+        merges_right = i < len(self._free_starts) and self._free_starts[i] == end
+        if merges_left and merges_right:
+            self._free_ends[i - 1] = self._free_ends[i]
+            del self._free_starts[i], self._free_ends[i]
+        elif merges_left:
+            self._free_ends[i - 1] = end
+        elif merges_right:
+            self._free_starts[i] = start
+        else:
+            self._free_starts.insert(i, start)
+            self._free_ends.insert(i, end)

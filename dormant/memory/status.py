@@ -1,0 +1,126 @@
+"""What the manager reports: per-tag state, the last sleep and wake, and the residual."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dormant.memory.policy import Policy
+
+GiB = float(1 << 30)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal GB/s, the unit copy bandwidths are quoted in."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TagStatus:
+    tag: str
+    asleep_policy: Policy | None  # None: awake
+    num_allocations: int
+    reserved_bytes: int
+    mapped_bytes: int
+    host_bytes: int  # arena bytes held for this tag's allocations
+
+    @property
+    def state(self) -> str:
+        if self.asleep_policy is None:
+            return "awake"
+        return {Policy.HOST: "offloaded", Policy.DISCARD: "discarded"}[self.asleep_policy]
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """One sleep. ``tags`` are the tags it put to sleep (empty for a no-op)."""
+
+    tags: dict[str, Policy] = field(default_factory=dict)
+    total_s: float = 0.0
+    sync_s: float = 0.0
+    arena_s: float = 0.0  # growing (populating + pinning) the host arena
+    hash_s: float = 0.0
+    copy_s: float = 0.0
+    release_s: float = 0.0
+    bytes_copied: int = 0
+    bytes_skipped: int = 0  # HOST bytes unchanged since their last offload: not copied again
+    bytes_released: int = 0  # physical memory given back
+
+    @property
+    def copy_gbps(self) -> float:
+        return gbps(self.bytes_copied, self.copy_s)
+
+
+@dataclass(frozen=True)
+class WakeReport:
+    """One wake. ``tags`` are the tags it woke (empty for a no-op)."""
+
+    tags: tuple[str, ...] = ()
+    total_s: float = 0.0
+    map_s: float = 0.0
+    copy_s: float = 0.0
+    fill_s: float = 0.0
+    bytes_mapped: int = 0
+    bytes_copied: int = 0
+
+    @property
+    def copy_gbps(self) -> float:
+        return gbps(self.bytes_copied, self.copy_s)
+
+
+@dataclass(frozen=True)
+class ResidualItem:
+    owner: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MemoryStatus:
+    backend: str
+    device: str
+    tags: tuple[TagStatus, ...]
+    device_used_bytes: int
+    device_total_bytes: int
+    arena_capacity_bytes: int
+    arena_used_bytes: int
+    last_sleep: SleepReport | None
+    last_wake: WakeReport | None
+    residual: tuple[ResidualItem, ...]  # device memory in use now, by owner
+
+    def tag(self, name: str) -> TagStatus:
+        for status in self.tags:
+            if status.tag == name:
+                return status
+        raise KeyError(name)
+
+    def table(self) -> str:
+        """A human-readable report."""
+        lines = [f"dormant memory on {self.device} ({self.backend} backend)"]
+        lines.append(
+            f"  {'tag':<12} {'state':<10} {'allocs':>6} {'mapped MiB':>11} {'host MiB':>9}"
+        )
+        for t in self.tags:
+            lines.append(
+                f"  {t.tag:<12} {t.state:<10} {t.num_allocations:>6} "
+                f"{t.mapped_bytes / 2**20:>11.1f} {t.host_bytes / 2**20:>9.1f}"
+            )
+        lines.append(
+            f"  device in use {self.device_used_bytes / GiB:.3f} of "
+            f"{self.device_total_bytes / GiB:.1f} GiB; host arena "
+            f"{self.arena_used_bytes / GiB:.3f} of {self.arena_capacity_bytes / GiB:.3f} GiB"
+        )
+        lines.append("  device memory in use, by owner:")
+        lines += [f"    {r.owner:<52} {r.nbytes / 2**20:>10.1f} MiB" for r in self.residual]
+        if self.last_sleep is not None:
+            s = self.last_sleep
+            lines.append(
+                f"  last sleep {s.total_s * 1e3:.1f} ms: copied {s.bytes_copied / GiB:.3f} GiB "
+                f"at {s.copy_gbps:.1f} GB/s, skipped {s.bytes_skipped / GiB:.3f} GiB unchanged, "
+                f"released {s.bytes_released / GiB:.3f} GiB"
+            )
+        if self.last_wake is not None:
+            w = self.last_wake
+            lines.append(
+                f"  last wake {w.total_s * 1e3:.1f} ms: mapped {w.bytes_mapped / GiB:.3f} GiB, "
+                f"copied {w.bytes_copied / GiB:.3f} GiB at {w.copy_gbps:.1f} GB/s"
+            )
+        return "\n".join(lines)
