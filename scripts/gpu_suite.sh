@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU suite: the GPU tests and the benchmarks, in one command, on a CUDA machine.
+#
+#   scripts/gpu_suite.sh [tests|bench|all] [test paths or pytest args...]  (default: tests)
+#
+# Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
+# (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
+set -uo pipefail
+stage=${1:-all}
+shift || true
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/dormant-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/dormant-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+status=0
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+
+if [[ $stage == tests || $stage == all ]]; then
+  (($#)) || set -- tests
+  python3 -m pytest -m gpu -q -rs -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu-tests.log"
+  status=$((status | PIPESTATUS[0]))
+fi
+if [[ $stage == bench || $stage == all ]]; then
+  python3 benchmarks/sleep_wake.py --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  status=$((status | PIPESTATUS[0]))
+fi
+exit $status
