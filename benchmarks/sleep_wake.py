@@ -95,10 +95,7 @@ def bench_dormant(rec: Recorder, cycles: int) -> None:
         nbytes=nbytes,
         median_s=seconds,
         s_per_gib=seconds / (nbytes / GiB),
-        arena_s=report.arena_s,
-        hash_s=report.hash_s,
-        copy_s=report.copy_s,
-        release_s=report.release_s,
+        **_phases([report]),
     )
     seconds, _ = timed(mm.wake_up)
     rec.emit(case="first sleep", system="dormant", op="wake", nbytes=nbytes, median_s=seconds)

@@ -34,37 +34,40 @@ def tensor_specs(specs: Sequence[Spec], alignment: int) -> tuple[list[tuple[int,
 def adopt_module(
     module: torch.nn.Module, allocate_many: AllocateMany, tag: str, buffer_tag: str
 ) -> torch.nn.Module:
-    """Swaps every parameter and buffer of ``module`` for pool memory holding the same values."""
-    params = list(module.parameters())  # deduplicated: tied parameters are adopted once
-    if params:
-        new = allocate_many([(p.shape, p.dtype) for p in params], tag)
-        for param, tensor in zip(params, new, strict=True):
-            _fill(tensor, param.data)
-            if param.device.type == "meta" or param.device != tensor.device:
-                # ``.data`` cannot change a parameter's device: swap the whole tensor in place.
-                swap = torch.nn.Parameter(tensor, requires_grad=param.requires_grad)
-                torch.utils.swap_tensors(param, swap)
-            else:
-                param.data = tensor
+    """Swaps every parameter and buffer of ``module`` for pool memory holding the same values.
 
-    owners = [
-        (m, name, buf)
-        for m in module.modules()
-        for name, buf in m._buffers.items()
-        if buf is not None
-    ]
-    unique = list({id(buf): buf for _, _, buf in owners}.values())
-    if unique:
-        new = allocate_many([(b.shape, b.dtype) for b in unique], buffer_tag)
-        replacement = {}
-        for buf, tensor in zip(unique, new, strict=True):
-            _fill(tensor, buf)
-            replacement[id(buf)] = tensor
-        for owner, name, buf in owners:
-            owner._buffers[name] = replacement[id(buf)]
+    A parameter already on the pool's device keeps its identity (``param.data`` is swapped);
+    one on another device (``meta`` included) is replaced, in every module that shares it, by a
+    new Parameter. Tied parameters and shared buffers stay tied.
+    """
+    _move(module, "_parameters", allocate_many, tag)
+    _move(module, "_buffers", allocate_many, buffer_tag)
     return module
 
 
-def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if src.device.type != "meta":
-        dst.copy_(src)
+def _move(module: torch.nn.Module, slot: str, allocate_many: AllocateMany, tag: str) -> None:
+    owners = [
+        (owner, name, tensor)
+        for owner in module.modules()
+        for name, tensor in getattr(owner, slot).items()
+        if tensor is not None
+    ]
+    unique = list({id(t): t for _, _, t in owners}.values())
+    if not unique:
+        return
+    new = allocate_many([(t.shape, t.dtype) for t in unique], tag)
+    replacement = {id(old): _adopted(old, fresh) for old, fresh in zip(unique, new, strict=True)}
+    for owner, name, tensor in owners:
+        getattr(owner, slot)[name] = replacement[id(tensor)]
+
+
+def _adopted(old: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """``fresh`` holding ``old``'s values, as the same Parameter object where that is possible."""
+    if old.device.type != "meta":
+        fresh.copy_(old.detach())
+    if not isinstance(old, torch.nn.Parameter):
+        return fresh
+    if old.device == fresh.device:
+        old.data = fresh
+        return old
+    return torch.nn.Parameter(fresh, requires_grad=old.requires_grad)

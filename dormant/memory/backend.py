@@ -28,6 +28,18 @@ class Span(NamedTuple):
     nbytes: int
 
 
+class CopyBatch(Protocol):
+    """Copies issued one by one and waited for individually or all together.
+
+    ``add`` starts a copy and returns its index; ``wait(i)`` returns once copy ``i`` has landed;
+    ``wait_all`` once every copy has. A batch is waited for completely before it is dropped.
+    """
+
+    def add(self, copy: Copy) -> int: ...
+    def wait(self, index: int) -> None: ...
+    def wait_all(self) -> None: ...
+
+
 class Backend(Protocol):
     """A device whose memory can be reserved, mapped, unmapped and released separately.
 
@@ -37,7 +49,8 @@ class Backend(Protocol):
     - ``create`` raises ``OutOfMemoryError`` (and changes nothing) when memory is short.
     - ``map`` makes ``[va, va + size)`` read-write backed by ``handle``; ``unmap`` makes the range
       inaccessible again but keeps it reserved. Freshly created memory reads as zero.
-    - ``copy_to_host`` / ``copy_to_device`` / ``fill`` return only when the bytes have landed.
+    - ``fill`` returns only when the bytes have landed; ``copy_batch`` copies asynchronously
+      between device and registered host memory, in either direction.
     """
 
     name: str
@@ -65,8 +78,7 @@ class Backend(Protocol):
 
     def view(self, va: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor: ...
     def fill(self, spans: Sequence[Span], value: int) -> None: ...
-    def copy_to_host(self, copies: Sequence[Copy]) -> None: ...
-    def copy_to_device(self, copies: Sequence[Copy]) -> None: ...
+    def copy_batch(self) -> CopyBatch: ...
     def content_hashes(self, spans: Sequence[Span]) -> list[bytes]:
         """A ≥128-bit digest of each span's contents, computed where the memory lives."""
         ...

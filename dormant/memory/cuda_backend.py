@@ -3,8 +3,9 @@
 - The device's primary context (the one torch uses) is made current in every thread that calls
   the driver, allocator callbacks included.
 - Sizes are rounded to the allocation granularity by the caller; each allocation is one handle.
-- Copies between device and the pinned host arena are split into chunks issued round-robin on a
-  few dedicated non-blocking streams, then waited for.
+- Copies between device and the pinned host arena go one per allocation, round-robin on a few
+  dedicated non-blocking streams, each followed by an event, so the caller can release an
+  allocation the moment its own copy lands while later copies are still running.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dormant.memory.dlpack import tensor_at
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, index: int, num_streams: int = 2, chunk_bytes: int = 64 << 20) -> None:
+    def __init__(self, index: int, num_streams: int = 2) -> None:
         cu = driver()
         call("cuInit", 0)
         self.index = index
@@ -49,8 +50,14 @@ class CudaBackend:
 
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._streams = [call("cuStreamCreate", flags) for _ in range(num_streams)]
-        self.chunk_bytes = chunk_bytes
+        self._events = _EventPool()
         self._handles: dict[int, Any] = {}
+        self._warm_up_hash()
+
+    def _warm_up_hash(self) -> None:
+        """Compiles the hash kernel now, so that the first sleep is not a compile (~1 s)."""
+        scratch = torch.zeros(1024, dtype=torch.int32, device=self.device)
+        self.content_hashes([Span(scratch.data_ptr(), scratch.numel() * 4)])
 
     def _ensure_context(self) -> None:
         if not getattr(self._local, "has_context", False):
@@ -116,22 +123,9 @@ class CudaBackend:
             )
         self._wait()
 
-    def copy_to_host(self, copies: Sequence[Copy]) -> None:
-        self._copy(copies, "cuMemcpyDtoHAsync")
-
-    def copy_to_device(self, copies: Sequence[Copy]) -> None:
-        self._copy(copies, "cuMemcpyHtoDAsync")
-
-    def _copy(self, copies: Sequence[Copy], fn: str) -> None:
+    def copy_batch(self) -> _CudaCopies:
         self._ensure_context()
-        i = 0
-        for copy in copies:
-            for offset in range(0, copy.nbytes, self.chunk_bytes):
-                n = min(self.chunk_bytes, copy.nbytes - offset)
-                stream = self._streams[i % len(self._streams)]
-                call(fn, copy.dst + offset, copy.src + offset, n, stream)
-                i += 1
-        self._wait()
+        return _CudaCopies(self._streams, self._events)
 
     def _wait(self) -> None:
         for stream in self._streams:
@@ -151,3 +145,44 @@ class CudaBackend:
     def unpin(self, address: int, size: int) -> None:
         self._ensure_context()
         call("cuMemHostUnregister", address)
+
+
+class _EventPool:
+    """Reusable CUDA events (timing disabled). Events are handed out in order from index 0 for
+    each batch; a batch is always waited for completely before the next one starts."""
+
+    def __init__(self) -> None:
+        self._events: list[Any] = []
+
+    def get(self, index: int) -> Any:
+        while len(self._events) <= index:
+            flags = driver().CUevent_flags.CU_EVENT_DISABLE_TIMING
+            self._events.append(call("cuEventCreate", flags))
+        return self._events[index]
+
+
+class _CudaCopies:
+    """One ``cuMemcpyAsync`` per copy (unified addressing picks the direction), round-robin on
+    the backend's streams, each followed by an event."""
+
+    def __init__(self, streams: list[Any], events: _EventPool) -> None:
+        self._streams = streams
+        self._events = events
+        self._count = 0
+
+    def add(self, copy: Copy) -> int:
+        index = self._count
+        stream = self._streams[index % len(self._streams)]
+        call("cuMemcpyAsync", copy.dst, copy.src, copy.nbytes, stream)
+        call("cuEventRecord", self._events.get(index), stream)
+        self._count += 1
+        return index
+
+    def wait(self, index: int) -> None:
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        call("cuEventSynchronize", self._events.get(index))
+
+    def wait_all(self) -> None:
+        for stream in self._streams:
+            call("cuStreamSynchronize", stream)

@@ -107,12 +107,8 @@ class HostBackend:
         for span in spans:
             libc.memset(span.address, value, span.nbytes)
 
-    def copy_to_host(self, copies: Sequence[Copy]) -> None:
-        for copy in copies:
-            ctypes.memmove(copy.dst, copy.src, copy.nbytes)
-
-    def copy_to_device(self, copies: Sequence[Copy]) -> None:
-        self.copy_to_host(copies)
+    def copy_batch(self) -> _ImmediateCopies:
+        return _ImmediateCopies()
 
     def content_hashes(self, spans: Sequence[Span]) -> list[bytes]:
         digests = []
@@ -126,3 +122,22 @@ class HostBackend:
 
     def unpin(self, address: int, size: int) -> None:
         """Host memory needs no registration."""
+
+
+class _ImmediateCopies:
+    """Host copies are plain memmoves: each has landed when ``add`` returns."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def add(self, copy: Copy) -> int:
+        ctypes.memmove(copy.dst, copy.src, copy.nbytes)
+        self._count += 1
+        return self._count - 1
+
+    def wait(self, index: int) -> None:
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+
+    def wait_all(self) -> None:
+        """Every copy already landed."""

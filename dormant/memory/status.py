@@ -39,8 +39,7 @@ class SleepReport:
     sync_s: float = 0.0
     arena_s: float = 0.0  # growing (populating + pinning) the host arena
     hash_s: float = 0.0
-    copy_s: float = 0.0
-    release_s: float = 0.0
+    copy_s: float = 0.0  # copies, with the unmaps and releases overlapped under them
     bytes_copied: int = 0
     bytes_skipped: int = 0  # HOST bytes unchanged since their last offload: not copied again
     bytes_released: int = 0  # physical memory given back
@@ -56,9 +55,8 @@ class WakeReport:
 
     tags: tuple[str, ...] = ()
     total_s: float = 0.0
-    map_s: float = 0.0
-    copy_s: float = 0.0
-    fill_s: float = 0.0
+    map_s: float = 0.0  # mapping, with the copies already running under it
+    copy_s: float = 0.0  # poison fill, then what is left of the copies
     bytes_mapped: int = 0
     bytes_copied: int = 0
 

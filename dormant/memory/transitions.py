@@ -1,10 +1,26 @@
 """The byte-moving halves of sleep and wake, over a chosen set of allocations.
 
-The manager decides *which* allocations change state; these functions make the change, in the
-order DESIGN §2.3 requires, and report timings.
+The manager decides *which* allocations change state; these functions make the change in the
+order DESIGN §2.3 requires, overlapping driver work with the copies, and report timings.
 
-Sleep: synchronize → place host copies (arena) → hash → async copies → wait → unmap + release.
-Wake: map everything (rolling back on any failure) → only then copy back / poison → MAPPED.
+Sleep::
+
+    synchronize the device           never copy or unmap under running kernels
+    place host copies in the arena   (may grow it: an error here changes nothing)
+    hash HOST allocations            unchanged since their last offload → no copy
+    start the D2H copies             one per stale allocation, asynchronous
+    release DISCARD + unchanged      while the copies run
+    release each stale allocation    as soon as its own copy has landed
+
+Wake::
+
+    map each allocation, in order    starting its H2D copy as soon as it is mapped
+    on any failure                   wait for the copies, unmap + release everything mapped
+                                     here, leave every state as it was, raise
+    poison DISCARD remaps (debug)    then wait for the copies, then mark MAPPED
+
+Nothing is marked MAPPED until every allocation is mapped and restored, so a failed wake is
+invisible; starting copies before the last map only overlaps work that a rollback throws away.
 """
 
 from __future__ import annotations
@@ -14,7 +30,7 @@ from collections.abc import Sequence
 
 from dormant.memory.allocation import Allocation, State
 from dormant.memory.arena import HostArena, Region
-from dormant.memory.backend import Backend, Copy
+from dormant.memory.backend import Backend, Copy, CopyBatch
 from dormant.memory.errors import OutOfMemoryError, WakeOutOfMemoryError
 from dormant.memory.status import SleepReport, WakeReport
 
@@ -32,17 +48,16 @@ def sleep_allocations(
     """Offloads ``host`` and discards ``discard``; all must be MAPPED.
 
     A HOST allocation whose content hash equals the digest of its arena copy is not copied again.
-    If this raises before the release step, every allocation is still MAPPED with its contents.
+    An error before the copies start (arena growth, hashing) leaves every allocation MAPPED.
     """
     t0 = time.perf_counter()
-    backend.synchronize()  # never copy or unmap under running kernels
+    backend.synchronize()
     t_sync = time.perf_counter()
 
     homeless = [a for a in host if a.region is None]
     if homeless:
-        for allocation, region in zip(
-            homeless, arena.allocate([a.size for a in homeless]), strict=True
-        ):
+        regions = arena.allocate([a.size for a in homeless])
+        for allocation, region in zip(homeless, regions, strict=True):
             allocation.region, allocation.digest = region, None
     t_arena = time.perf_counter()
 
@@ -51,21 +66,23 @@ def sleep_allocations(
         digests = list(backend.content_hashes([a.span for a in host]))
     t_hash = time.perf_counter()
 
-    stale = [
-        (a, d)
-        for a, d in zip(host, digests, strict=True)
-        if d is None or a.is_dirty or a.digest != d
-    ]
-    backend.copy_to_host([Copy(_region(a).address, a.va, a.size) for a, _ in stale])
-    for allocation, digest in stale:
-        allocation.digest, allocation.is_dirty = digest, False
-    t_copy = time.perf_counter()
-
-    for allocations, state in ((host, State.OFFLOADED), (discard, State.DISCARDED)):
-        for allocation in allocations:
-            backend.unmap(allocation.va, allocation.size)
-            backend.release(allocation.handle)
-            allocation.handle, allocation.state = None, state
+    stale = [(a, d) for a, d in zip(host, digests, strict=True) if _is_stale(a, d)]
+    stale_ids = {id(a) for a, _ in stale}
+    batch = backend.copy_batch()
+    try:
+        for allocation, _ in stale:
+            batch.add(Copy(_region(allocation).address, allocation.va, allocation.size))
+        for allocation in discard:
+            _release(backend, allocation, State.DISCARDED)
+        for allocation in host:
+            if id(allocation) not in stale_ids:
+                _release(backend, allocation, State.OFFLOADED)
+        for index, (allocation, digest) in enumerate(stale):
+            batch.wait(index)
+            allocation.digest, allocation.is_dirty = digest, False
+            _release(backend, allocation, State.OFFLOADED)
+    finally:
+        batch.wait_all()
     t_end = time.perf_counter()
 
     copied = sum(a.size for a, _ in stale)
@@ -74,8 +91,7 @@ def sleep_allocations(
         sync_s=t_sync - t0,
         arena_s=t_arena - t_sync,
         hash_s=t_hash - t_arena,
-        copy_s=t_copy - t_hash,
-        release_s=t_end - t_copy,
+        copy_s=t_end - t_hash,  # copies, with the releases overlapped under them
         bytes_copied=copied,
         bytes_skipped=sum(a.size for a in host) - copied,
         bytes_released=sum(a.size for a in (*host, *discard)),
@@ -91,9 +107,12 @@ def wake_allocations(
     it was, and the error is raised (out-of-memory as WakeOutOfMemoryError with the byte counts).
     """
     t0 = time.perf_counter()
+    # Offloaded allocations first: their copies start while the rest is being mapped.
+    ordered = sorted(allocations, key=lambda a: a.state is not State.OFFLOADED)
     mapped: list[tuple[Allocation, object]] = []
+    batch = backend.copy_batch()
     try:
-        for allocation in allocations:
+        for allocation in ordered:
             handle = backend.create(allocation.size)
             try:
                 backend.map(allocation.va, allocation.size, handle)
@@ -101,38 +120,59 @@ def wake_allocations(
                 backend.release(handle)
                 raise
             mapped.append((allocation, handle))
+            if allocation.state is State.OFFLOADED:
+                batch.add(Copy(allocation.va, _region(allocation).address, allocation.size))
         t_map = time.perf_counter()
-        offloaded = [a for a in allocations if a.state is State.OFFLOADED]
-        backend.copy_to_device([Copy(a.va, _region(a).address, a.size) for a in offloaded])
-        t_copy = time.perf_counter()
-        discarded = [a.span for a in allocations if a.state is State.DISCARDED]
+        discarded = [a.span for a in ordered if a.state is State.DISCARDED]
         if poison and discarded:
             backend.fill(discarded, POISON_BYTE)
+        batch.wait_all()
     except BaseException as error:
-        for allocation, handle in mapped:
-            backend.unmap(allocation.va, allocation.size)
-            backend.release(handle)
+        _roll_back(backend, batch, mapped)
         if isinstance(error, OutOfMemoryError):
-            needed = sum(a.size for a in allocations)
-            free, _ = backend.memory_info()
-            raise WakeOutOfMemoryError(
-                f"wake needs {needed:,} bytes for {len(allocations)} allocations but only "
-                f"{free:,} bytes are free; nothing was mapped and every tag is still asleep. "
-                "Free device memory (e.g. the trainer's) and call wake_up again.",
-                bytes_requested=needed,
-                bytes_free=free,
-            ) from error
+            raise _wake_oom(backend, allocations) from error
         raise
     t_end = time.perf_counter()
     for allocation, handle in mapped:
         allocation.handle, allocation.state = handle, State.MAPPED
     return WakeReport(
         total_s=t_end - t0,
-        map_s=t_map - t0,
-        copy_s=t_copy - t_map,
-        fill_s=t_end - t_copy,
+        map_s=t_map - t0,  # mapping, with the copies already running under it
+        copy_s=t_end - t_map,
         bytes_mapped=sum(a.size for a in allocations),
-        bytes_copied=sum(a.size for a in offloaded),
+        bytes_copied=sum(a.size for a in allocations if a.state is State.OFFLOADED),
+    )
+
+
+def _is_stale(allocation: Allocation, digest: bytes | None) -> bool:
+    """Whether the arena copy must be (re)written: no digest to trust, a hint, or a change."""
+    return digest is None or allocation.is_dirty or allocation.digest != digest
+
+
+def _release(backend: Backend, allocation: Allocation, state: State) -> None:
+    backend.unmap(allocation.va, allocation.size)
+    backend.release(allocation.handle)
+    allocation.handle, allocation.state = None, state
+
+
+def _roll_back(
+    backend: Backend, batch: CopyBatch, mapped: list[tuple[Allocation, object]]
+) -> None:
+    batch.wait_all()  # no copy may still be writing into memory about to be released
+    for allocation, handle in mapped:
+        backend.unmap(allocation.va, allocation.size)
+        backend.release(handle)
+
+
+def _wake_oom(backend: Backend, allocations: Sequence[Allocation]) -> WakeOutOfMemoryError:
+    needed = sum(a.size for a in allocations)
+    free, _ = backend.memory_info()
+    return WakeOutOfMemoryError(
+        f"wake needs {needed:,} bytes for {len(allocations)} allocations but only {free:,} bytes "
+        "are free; nothing was mapped and every tag is still asleep. Free device memory (e.g. the "
+        "trainer's) and call wake_up again.",
+        bytes_requested=needed,
+        bytes_free=free,
     )
 
 

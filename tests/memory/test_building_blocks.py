@@ -94,7 +94,10 @@ def test_host_backend_copies_fills_and_hashes() -> None:
     backend = HostBackend()
     src = torch.arange(1024, dtype=torch.int32)
     dst = torch.zeros(1024, dtype=torch.int32)
-    backend.copy_to_host([Copy(dst.data_ptr(), src.data_ptr(), 4096)])
+    batch = backend.copy_batch()
+    assert batch.add(Copy(dst.data_ptr(), src.data_ptr(), 4096)) == 0
+    batch.wait(0)
+    batch.wait_all()
     assert torch.equal(src, dst)
     backend.fill([Span(dst.data_ptr(), 8)], 0xFF)
     assert dst[0] == -1 and dst[1] == -1 and dst[2] == 2

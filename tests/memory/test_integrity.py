@@ -79,10 +79,10 @@ def test_adopt_moves_parameters_and_buffers(mm: MemoryManager) -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
     )
-    model.register_buffer("scale", torch.tensor([0.5, 0.25]))
+    model.register_buffer("scale", torch.tensor([0.5, 0.25], device=mm.backend.device))
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
-    x = torch.randn(3, 16)
+    x = torch.randn(3, 16, device=mm.backend.device)
     y = model(x)
     mm.adopt(model)
     assert all(p.device.type == mm.backend.device.type for p in model.parameters())
@@ -95,7 +95,7 @@ def test_adopt_moves_parameters_and_buffers(mm: MemoryManager) -> None:
     for p, b in zip(model.parameters(), before, strict=True):
         assert same_bytes(p.detach(), b)
     assert torch.equal(model.scale.cpu(), torch.tensor([0.5, 0.25]))
-    torch.testing.assert_close(model(x.to(mm.backend.device)).cpu(), y, rtol=0, atol=0)
+    torch.testing.assert_close(model(x), y, rtol=0, atol=0)
 
 
 def test_adopt_keeps_tied_parameters_tied(mm: MemoryManager) -> None:
