@@ -19,6 +19,7 @@ import argparse
 import gc
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,10 @@ from benchmarks.common import GiB, MiB, Recorder, environment, table, timed
 from dormant.memory import MemoryManager
 
 KV_BYTES = 32 * GiB
+# Idle time between a sleep and the next wake: the trainer's step. Without it, a wake that follows
+# a sleep that took a few milliseconds competes with the driver still scrubbing the memory just
+# released (measured: 244 ms instead of 160 ms for 8 GiB; results/2026-11-29-sleep-wake-run2).
+TRAINER_STEP_S = 0.25
 
 
 def weight_mix() -> list[int]:
@@ -101,30 +106,25 @@ def bench_dormant(rec: Recorder, cycles: int) -> None:
     rec.emit(case="first sleep", system="dormant", op="wake", nbytes=nbytes, median_s=seconds)
 
     for changed in (True, False):
-        sleeps, wakes, hashes, copies = [], [], [], []
+        sleeps, wakes, sleep_reports, wake_reports = [], [], [], []
         for _ in range(cycles):
             if changed:
                 perturb(weights)
             s, report = timed(lambda: mm.sleep(level=1))
             sleeps.append(s)
-            hashes.append(report.hash_s)
-            copies.append(report.copy_s)
-            wakes.append(timed(mm.wake_up)[0])
+            sleep_reports.append(report)
+            time.sleep(TRAINER_STEP_S)
+            s, report = timed(mm.wake_up)
+            wakes.append(s)
+            wake_reports.append(report)
         case = "8B weights + 32G KV, " + ("changed" if changed else "unchanged")
-        rec.series(
-            case,
-            "dormant",
-            "sleep",
-            sleeps,
-            nbytes,
-            hash_s=statistics.median(hashes),
-            copy_s=statistics.median(copies),
-        )
-        rec.series(case, "dormant", "wake", wakes, nbytes)
+        rec.series(case, "dormant", "sleep", sleeps, nbytes, **_phases(sleep_reports))
+        rec.series(case, "dormant", "wake", wakes, nbytes, **_phases(wake_reports))
 
     kv_sleeps, kv_wakes = [], []
     for _ in range(cycles * 2):
         kv_sleeps.append(timed(lambda: mm.sleep(tags={"kv_cache": "discard"}))[0])
+        time.sleep(TRAINER_STEP_S)
         kv_wakes.append(timed(lambda: mm.wake_up(["kv_cache"]))[0])
     rec.series("32G KV discard", "dormant", "sleep", kv_sleeps, KV_BYTES)
     rec.series("32G KV discard", "dormant", "wake", kv_wakes, KV_BYTES)
@@ -150,6 +150,7 @@ def bench_dormant(rec: Recorder, cycles: int) -> None:
     for _ in range(cycles):
         perturb(segments)
         sleeps.append(timed(lambda: mm.sleep(tags={"segments": "host"}))[0])
+        time.sleep(TRAINER_STEP_S)
         wakes.append(timed(mm.wake_up)[0])
     rec.series("4096x2MiB, changed", "dormant", "sleep", sleeps, seg_bytes)
     rec.series("4096x2MiB, changed", "dormant", "wake", wakes, seg_bytes)
@@ -208,6 +209,7 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
         for _ in range(cycles):
             perturb(weights)
             sleeps.append(timed(pause_level1)[0])
+            time.sleep(TRAINER_STEP_S)
             wakes.append(timed(resume_all)[0])
         rec.series("8B weights + 32G KV, changed", system, "sleep", sleeps, nbytes)
         rec.series("8B weights + 32G KV, changed", system, "wake", wakes, nbytes)
@@ -215,6 +217,7 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
         for _ in range(min(cycles, 3)):
             perturb(segments)
             seg_sleeps.append(timed(lambda: tms.pause("segments"))[0])
+            time.sleep(TRAINER_STEP_S)
             seg_wakes.append(timed(lambda: tms.resume("segments"))[0])
         rec.series("4096x2MiB, changed", system, "sleep", seg_sleeps, seg_bytes)
         rec.series("4096x2MiB, changed", system, "wake", seg_wakes, seg_bytes)
@@ -222,6 +225,7 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
     kv_sleeps, kv_wakes = [], []
     for _ in range(cycles * 2):
         kv_sleeps.append(timed(lambda: tms.pause("kv_cache"))[0])
+        time.sleep(TRAINER_STEP_S)
         kv_wakes.append(timed(lambda: tms.resume("kv_cache"))[0])
     rec.series("32G KV discard", "tms", "sleep", kv_sleeps, KV_BYTES)
     rec.series("32G KV discard", "tms", "wake", kv_wakes, KV_BYTES)

@@ -50,7 +50,7 @@ class HostArena:
     def __init__(self, backend: Backend, chunk_bytes: int = 1 << 30, num_threads: int = 0) -> None:
         self._backend = backend
         self.chunk_bytes = chunk_bytes
-        self.num_threads = num_threads or min(8, os.cpu_count() or 1)
+        self.num_threads = num_threads or min(16, os.cpu_count() or 1)
         self._chunks: list[_Chunk | None] = []
         self.last_grow_s = 0.0
 

@@ -162,26 +162,47 @@ class _EventPool:
 
 
 class _CudaCopies:
-    """One ``cuMemcpyAsync`` per copy (unified addressing picks the direction), round-robin on
-    the backend's streams, each followed by an event."""
+    """One ``cuMemcpyAsync`` per copy (unified addressing picks the direction).
+
+    Copies go in groups of at least ``GROUP_BYTES`` on one stream, each group closed by an event,
+    and groups go round-robin over the streams. Large copies are a group each; thousands of small
+    ones share an event per group, which keeps the driver calls per copy down to one.
+    """
+
+    GROUP_BYTES = 64 << 20
 
     def __init__(self, streams: list[Any], events: _EventPool) -> None:
         self._streams = streams
         self._events = events
-        self._count = 0
+        self._group_of: list[int] = []  # copy index -> group index
+        self._num_closed = 0
+        self._open_bytes = 0
+        self._is_synced: list[bool] = []
+
+    def _stream(self) -> Any:
+        return self._streams[self._num_closed % len(self._streams)]
 
     def add(self, copy: Copy) -> int:
-        index = self._count
-        stream = self._streams[index % len(self._streams)]
-        call("cuMemcpyAsync", copy.dst, copy.src, copy.nbytes, stream)
-        call("cuEventRecord", self._events.get(index), stream)
-        self._count += 1
-        return index
+        call("cuMemcpyAsync", copy.dst, copy.src, copy.nbytes, self._stream())
+        self._group_of.append(self._num_closed)
+        self._open_bytes += copy.nbytes
+        if self._open_bytes >= self.GROUP_BYTES:
+            self._close_group()
+        return len(self._group_of) - 1
+
+    def _close_group(self) -> None:
+        call("cuEventRecord", self._events.get(self._num_closed), self._stream())
+        self._is_synced.append(False)
+        self._num_closed += 1
+        self._open_bytes = 0
 
     def wait(self, index: int) -> None:
-        if not 0 <= index < self._count:
-            raise IndexError(index)
-        call("cuEventSynchronize", self._events.get(index))
+        group = self._group_of[index]
+        if group == self._num_closed:  # the copy's group is still open
+            self._close_group()
+        if not self._is_synced[group]:
+            call("cuEventSynchronize", self._events.get(group))
+            self._is_synced[group] = True
 
     def wait_all(self) -> None:
         for stream in self._streams:

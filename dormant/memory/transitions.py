@@ -155,9 +155,7 @@ def _release(backend: Backend, allocation: Allocation, state: State) -> None:
     allocation.handle, allocation.state = None, state
 
 
-def _roll_back(
-    backend: Backend, batch: CopyBatch, mapped: list[tuple[Allocation, object]]
-) -> None:
+def _roll_back(backend: Backend, batch: CopyBatch, mapped: list[tuple[Allocation, object]]) -> None:
     batch.wait_all()  # no copy may still be writing into memory about to be released
     for allocation, handle in mapped:
         backend.unmap(allocation.va, allocation.size)

@@ -76,9 +76,8 @@ def test_addresses_unchanged_across_100_cycles(mm: MemoryManager) -> None:
 
 def test_adopt_moves_parameters_and_buffers(mm: MemoryManager) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
-    )
+    layers = [torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)]
+    model = torch.nn.Sequential(*layers).to(mm.backend.device)
     model.register_buffer("scale", torch.tensor([0.5, 0.25], device=mm.backend.device))
     params = list(model.parameters())
     before = [p.detach().clone() for p in params]
