@@ -1,0 +1,1 @@
+"""Model building blocks: tensor-parallel linear/embedding layers, norms, rotary, attention."""

@@ -1,0 +1,118 @@
+"""``CausalLM``: the interface every model offers the engine, and its shared implementation.
+
+Lifecycle: build (possibly under ``with torch.device("meta"):``) → materialize parameters and
+buffers (swap in real tensors) → ``init_buffers()`` → ``reset_kv_scales()`` unless the
+checkpoint provides scales → ``load_weights(...)`` or ``init_random_weights(seed)`` → set
+``kv_cache`` on each of ``attention_layers()`` → ``forward`` inside ``forward_context``.
+
+``parameters()`` yields exactly the checkpoint's parameters (tied embeddings once); derived
+state (the rotary table) and calibrated state (k/v scales) are buffers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from dormant.layers.attention import PagedAttention
+from dormant.layers.embedding import ParallelLMHead
+from dormant.layers.rotary import RotaryEmbedding
+from dormant.models import weights as weight_io
+from dormant.models.config import ModelConfig
+from dormant.models.decoder import DecoderModel, DecoderSpec
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model with HF-compatible weight names.
+
+    Subclasses only choose their ``DecoderSpec`` via ``decoder_spec``.
+    """
+
+    # checkpoint module name -> (our fused module, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.decoder_spec(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    @abstractmethod
+    def decoder_spec(cls, config: ModelConfig) -> DecoderSpec:
+        """The family's decoder differences, given the config."""
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """int64 ``input_ids``/``positions`` ``[num_tokens]`` → final hidden states
+        ``[num_tokens, hidden]``. Runs inside ``forward_context``; writes the new tokens'
+        keys and values into the KV cache."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        """``[num_tokens, hidden]`` → float32 ``[num_tokens, vocab]`` (full vocab on all ranks)."""
+        return self.lm_head(hidden_states)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The attention layers in layer order (one KV cache each)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def init_buffers(self) -> None:
+        """Recomputes every derived buffer in place. k/v scales are calibrated state and are
+        left alone (see ``reset_kv_scales``)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.init_buffers()
+
+    def reset_kv_scales(self) -> None:
+        """Sets all k/v cache scales to 1.0 in place (once, after materialization)."""
+        for layer in self.attention_layers():
+            layer.reset_kv_scales()
+
+    def expected_weight_shapes(self) -> dict[str, torch.Size]:
+        """Checkpoint name → full (unsharded) shape of every tensor a complete checkpoint
+        provides, in module order; the optional k/v scales are not listed."""
+        return weight_io.expected_weight_shapes(self, self.packed_modules_mapping)
+
+    def check_weights(
+        self,
+        items: Sequence[tuple[str, torch.Size, torch.dtype]],
+        *,
+        require_complete: bool = False,
+    ) -> None:
+        """Validates checkpoint names, full shapes and dtypes without writing anything.
+
+        Raises ``WeightError`` naming every bad entry (and, with ``require_complete``, every
+        missing required name).
+        """
+        weight_io.check_weights(
+            self,
+            self.packed_modules_mapping,
+            self.config.tie_word_embeddings,
+            items,
+            require_complete,
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copies HF-named full tensors into the parameters in place (dtype cast on copy);
+        returns the names written. Ignored names (``rotary_emb.inv_freq``; ``lm_head.weight``
+        of a tied model) are skipped and not returned."""
+        return weight_io.load_weights(
+            self, self.packed_modules_mapping, self.config.tie_word_embeddings, weights
+        )
+
+    def init_random_weights(self, seed: int) -> None:
+        """Deterministic in-place init: N(0, 0.02) matrices/embeddings, ones for norm
+        weights, zeros for biases; identical across TP sizes."""
+        weight_io.init_random_weights(self, self.packed_modules_mapping, seed)

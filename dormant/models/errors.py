@@ -1,0 +1,19 @@
+"""Typed errors of the model layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its features is not implemented."""
+
+
+class WeightError(ValueError):
+    """Checkpoint tensors do not fit the model. ``problems`` lists one line per bad entry."""
+
+    def __init__(self, problems: Sequence[str], hint: str) -> None:
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        header = f"the checkpoint does not fit the model ({len(self.problems)} problems):"
+        super().__init__(f"{header}\n{lines}\n{hint}")

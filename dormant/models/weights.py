@@ -1,0 +1,216 @@
+"""Maps Hugging Face checkpoint names onto a model's parameters, and validates and loads them.
+
+Every accepted checkpoint name has a ``WeightTarget``: the tensor it lands in, the shard id
+(for packed parameters such as ``qkv_proj``), the owning layer's loader, and the full
+(unsharded) shape the checkpoint must have. The table is rebuilt on each call, from the live
+modules, so it always refers to the current (possibly re-materialized) tensors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from dormant.layers.attention import PagedAttention
+from dormant.layers.norm import RMSNorm
+from dormant.layers.weight_utils import (
+    LoadedShape,
+    ShardId,
+    WeightLoader,
+    default_loaded_shape,
+    default_weight_loader,
+)
+from dormant.models.errors import WeightError
+
+PackedMapping = Mapping[str, tuple[str, ShardId]]  # checkpoint module -> (our module, shard id)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_NOTHING_WRITTEN = (
+    "Nothing was written. Check that the checkpoint matches config.json (architecture, sizes, "
+    "tie_word_embeddings) and holds full, unsharded Hugging Face tensors in a float dtype."
+)
+
+
+class WeightKind(Enum):
+    MATRIX = "matrix"  # linear weights and embeddings
+    NORM = "norm"
+    BIAS = "bias"
+    SCALE = "scale"  # fp8 k/v cache scales (buffers; optional in a checkpoint)
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    tensor: Tensor
+    shard_id: ShardId | None
+    loader: WeightLoader
+    full_shape: torch.Size
+    kind: WeightKind
+
+    def shape_problem(self, shape: torch.Size) -> str | None:
+        if self.kind is WeightKind.SCALE:
+            return None if math.prod(shape) == 1 else "expected a single element"
+        if shape != self.full_shape:
+            return f"expected {tuple(self.full_shape)} (the full, unsharded shape)"
+        return None
+
+
+def _load_scale(param: Tensor, loaded_weight: Tensor, shard_id: ShardId | None = None) -> None:
+    param.copy_(loaded_weight.reshape(param.shape))
+
+
+def weight_targets(model: nn.Module, packed: PackedMapping) -> dict[str, WeightTarget]:
+    """All checkpoint names ``model`` accepts, in module order. A tied parameter appears once,
+    under its first name."""
+    unpacked: dict[str, list[tuple[str, ShardId]]] = {}
+    for checkpoint_name, (our_name, shard_id) in packed.items():
+        unpacked.setdefault(our_name, []).append((checkpoint_name, shard_id))
+    table: dict[str, WeightTarget] = {}
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        prefix, _, leaf = module_name.rpartition(".")
+        loader: WeightLoader = getattr(module, "weight_loader", default_weight_loader)
+        loaded_shape: LoadedShape = getattr(module, "loaded_shape", default_loaded_shape)
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            kind = (
+                WeightKind.NORM
+                if isinstance(module, RMSNorm)
+                else WeightKind.BIAS
+                if param_name == "bias"
+                else WeightKind.MATRIX
+            )
+            for checkpoint_leaf, shard_id in unpacked.get(leaf, [(leaf, None)]):
+                name = ".".join(p for p in (prefix, checkpoint_leaf, param_name) if p)
+                shape = loaded_shape(param, shard_id)
+                table[name] = WeightTarget(param, shard_id, loader, shape, kind)
+        if isinstance(module, PagedAttention):
+            # Checkpoints name the scales on the attention block: `...self_attn.k_scale`.
+            for buffer_name in ("k_scale", "v_scale"):
+                buffer = getattr(module, buffer_name)
+                name = f"{prefix}.{buffer_name}"
+                table[name] = WeightTarget(
+                    buffer, None, _load_scale, torch.Size(()), WeightKind.SCALE
+                )
+    return table
+
+
+def is_ignored(name: str, is_tied: bool) -> bool:
+    """Names accepted and skipped: rotary caches, and ``lm_head.weight`` of a tied model."""
+    return name.endswith(_IGNORED_SUFFIXES) or (is_tied and name == "lm_head.weight")
+
+
+def item_problem(
+    name: str, shape: torch.Size, dtype: torch.dtype, table: Mapping[str, WeightTarget]
+) -> str | None:
+    """One line describing what is wrong with a checkpoint entry, or None if it fits."""
+    target = table.get(name)
+    if target is None:
+        close = difflib.get_close_matches(name, table.keys(), n=1)
+        suggestion = f"; did you mean {close[0]!r}?" if close else ""
+        return f"{name}: no such weight in this model{suggestion}"
+    shape_problem = target.shape_problem(torch.Size(shape))
+    if shape_problem is not None:
+        return f"{name}: shape {tuple(shape)}, {shape_problem}"
+    if dtype not in _FLOAT_DTYPES:
+        return (
+            f"{name}: dtype {dtype}, expected float32/float16/bfloat16 "
+            "(quantized checkpoint weights are not supported)"
+        )
+    return None
+
+
+def check_weights(
+    model: nn.Module,
+    packed: PackedMapping,
+    is_tied: bool,
+    items: Sequence[tuple[str, torch.Size, torch.dtype]],
+    require_complete: bool,
+) -> None:
+    """Raises ``WeightError`` listing every bad entry; writes nothing."""
+    table = weight_targets(model, packed)
+    problems: list[str] = []
+    seen: set[str] = set()
+    for name, shape, dtype in items:
+        if name in seen:
+            problems.append(f"{name}: appears more than once")
+        seen.add(name)
+        if is_ignored(name, is_tied):
+            continue
+        problem = item_problem(name, shape, dtype, table)
+        if problem is not None:
+            problems.append(problem)
+    if require_complete:
+        required = [n for n, t in table.items() if t.kind is not WeightKind.SCALE]
+        problems.extend(f"{n}: missing from the checkpoint" for n in required if n not in seen)
+    if problems:
+        raise WeightError(problems, _NOTHING_WRITTEN)
+
+
+@torch.no_grad()
+def load_weights(
+    model: nn.Module, packed: PackedMapping, is_tied: bool, weights: Iterable[tuple[str, Tensor]]
+) -> set[str]:
+    """Writes each tensor in place through its loader; returns the names written.
+
+    Each entry is checked before it is written; a bad entry raises ``WeightError``, and the
+    entries before it stay written (use ``check_weights`` first to reject a whole checkpoint).
+    """
+    table = weight_targets(model, packed)
+    written: set[str] = set()
+    for name, tensor in weights:
+        if is_ignored(name, is_tied):
+            continue
+        problem = item_problem(name, tensor.shape, tensor.dtype, table)
+        if problem is not None:
+            raise WeightError(
+                [problem],
+                f"{len(written)} earlier tensors were already written; validate the checkpoint "
+                "with check_weights before loading to reject it without writing anything.",
+            )
+        target = table[name]
+        target.loader(target.tensor, tensor, target.shard_id)
+        written.add(name)
+    return written
+
+
+def expected_weight_shapes(model: nn.Module, packed: PackedMapping) -> dict[str, torch.Size]:
+    """Name → full shape of every tensor a complete checkpoint provides (k/v scales, being
+    optional, are not listed)."""
+    table = weight_targets(model, packed)
+    return {n: t.full_shape for n, t in table.items() if t.kind is not WeightKind.SCALE}
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, packed: PackedMapping, seed: int) -> None:
+    """Fills every parameter in place: N(0, 0.02) matrices, ones for norms, zeros for biases.
+
+    Full checkpoint-shaped tensors are drawn in a fixed order from one generator on the
+    parameters' device, then sharded by the loaders: every TP rank draws the same numbers,
+    so a sharded model equals the unsharded one. k/v scales are left alone.
+    """
+    table = weight_targets(model, packed)
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        raise RuntimeError("the model is on the meta device; materialize it before initializing")
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    for target in table.values():
+        dtype, shape = target.tensor.dtype, target.full_shape
+        if target.kind is WeightKind.SCALE:
+            continue
+        if target.kind is WeightKind.NORM:
+            full = torch.ones(shape, dtype=dtype, device=device)
+        elif target.kind is WeightKind.BIAS:
+            full = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            full = torch.empty(shape, dtype=dtype, device=device)
+            full.normal_(0.0, 0.02, generator=generator)
+        target.loader(target.tensor, full, target.shard_id)
