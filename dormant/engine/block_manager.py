@@ -1,0 +1,171 @@
+"""Hands out KV-cache blocks to sequences (no prefix caching).
+
+A sequence's KV for token position ``p`` lives in block ``block_table[p // block_size]`` at
+offset ``p % block_size``; its flat slot in the cache is ``block_id * block_size + offset``.
+
+Invariant (checked by ``check_invariant``): every block id in ``0 .. num_blocks-1`` is
+either in the free list or in exactly one sequence's ``block_table``, exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from dormant.engine.sequence import Sequence
+
+
+class BlockManagerError(RuntimeError):
+    """Base class for misuse of the block manager."""
+
+
+class OutOfBlocksError(BlockManagerError):
+    """Not enough free blocks; check ``can_allocate`` / ``can_append`` first."""
+
+
+class AlreadyAllocatedError(BlockManagerError):
+    """``allocate`` was called for a sequence that already holds blocks."""
+
+
+class BlockOwnershipError(BlockManagerError):
+    """A block table names blocks this manager did not give to that sequence."""
+
+
+class BlockManager:
+    """A free list of KV block ids and the bookkeeping of who holds which block."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._owner_by_block_id: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_block_ids)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """How many blocks hold ``num_tokens`` tokens (ceil division)."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether ``allocate(seq)`` would succeed on block count."""
+        return self.num_blocks_for(seq.num_tokens) <= len(self._free_block_ids)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all of its ``num_tokens`` tokens.
+
+        Preconditions: ``seq.block_table`` is empty (else ``AlreadyAllocatedError``) and
+        ``can_allocate(seq)`` (else ``OutOfBlocksError``; nothing changes).
+        Postcondition: ``len(seq.block_table) == num_blocks_for(seq.num_tokens)``.
+        """
+        if seq.block_table:
+            raise AlreadyAllocatedError(
+                f"{seq!r} already holds blocks {seq.block_table}; free it before allocating"
+            )
+        self._take_blocks(seq, self.num_blocks_for(seq.num_tokens))
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the table of ``seq`` can grow to cover all of its ``num_tokens`` tokens.
+
+        Called before a decode step, after the previous step appended one token whose KV
+        the step will write: a new block is needed only when the earlier tokens filled
+        the last block exactly.
+        """
+        return self._num_missing_blocks(seq) <= len(self._free_block_ids)
+
+    def append_block_if_needed(self, seq: Sequence) -> None:
+        """Grow the table of an allocated ``seq`` to cover all of its ``num_tokens`` tokens.
+
+        Preconditions: ``seq`` holds blocks (else ``BlockOwnershipError``) and
+        ``can_append(seq)`` (else ``OutOfBlocksError``; nothing changes).
+        Postcondition: ``len(seq.block_table) >= num_blocks_for(seq.num_tokens)``.
+        """
+        if not seq.block_table:
+            raise BlockOwnershipError(f"{seq!r} holds no blocks; allocate it first")
+        self._take_blocks(seq, self._num_missing_blocks(seq))
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of ``seq`` to the free list and clear its table.
+
+        A sequence without blocks is left as is. Raises ``BlockOwnershipError`` (changing
+        nothing) if the table names a block that is not held by ``seq``.
+        """
+        foreign = [b for b in seq.block_table if self._owner_by_block_id.get(b) != seq.seq_id]
+        if foreign:
+            raise BlockOwnershipError(
+                f"{seq!r} lists blocks {foreign} that this manager did not give it"
+            )
+        for block_id in seq.block_table:
+            del self._owner_by_block_id[block_id]
+        self._free_block_ids.extend(seq.block_table)
+        seq.block_table.clear()
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The flat KV-cache slot of token ``position`` of ``seq``.
+
+        Raises ``IndexError`` if the position is not covered by the sequence's table.
+        """
+        block_index, offset = divmod(position, self.block_size)
+        if position < 0 or block_index >= len(seq.block_table):
+            raise IndexError(
+                f"position {position} is outside the {len(seq.block_table)} blocks of {seq!r}"
+            )
+        return seq.block_table[block_index] * self.block_size + offset
+
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The slots of positions ``start .. end-1`` of ``seq``, built block by block."""
+        if start < 0 or end > len(seq.block_table) * self.block_size:
+            raise IndexError(f"positions {start}..{end - 1} are outside the blocks of {seq!r}")
+        result: list[int] = []
+        position = start
+        while position < end:
+            block_index, offset = divmod(position, self.block_size)
+            num_in_block = min(self.block_size - offset, end - position)
+            first = seq.block_table[block_index] * self.block_size + offset
+            result.extend(range(first, first + num_in_block))
+            position += num_in_block
+        return result
+
+    def check_invariant(self, seqs: Iterable[Sequence]) -> None:
+        """Raise ``BlockManagerError`` unless every block is free or in exactly one table.
+
+        ``seqs`` must be every sequence that may hold blocks (for tests and debugging).
+        """
+        seen: dict[int, str] = {b: "the free list" for b in self._free_block_ids}
+        if len(seen) != len(self._free_block_ids):
+            raise BlockManagerError("the free list holds a block twice")
+        for seq in seqs:
+            for block_id in seq.block_table:
+                if block_id in seen:
+                    raise BlockManagerError(
+                        f"block {block_id} is in {seen[block_id]} and in {seq!r}"
+                    )
+                if self._owner_by_block_id.get(block_id) != seq.seq_id:
+                    raise BlockManagerError(f"block {block_id} is not recorded as held by {seq!r}")
+                seen[block_id] = repr(seq)
+        missing = sorted(set(range(self.num_blocks)) - seen.keys())
+        if missing:
+            raise BlockManagerError(f"blocks {missing} are neither free nor in any given table")
+
+    def _num_missing_blocks(self, seq: Sequence) -> int:
+        return max(0, self.num_blocks_for(seq.num_tokens) - len(seq.block_table))
+
+    def _take_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        if num_blocks > len(self._free_block_ids):
+            raise OutOfBlocksError(
+                f"{seq!r} needs {num_blocks} more blocks but only "
+                f"{len(self._free_block_ids)} of {self.num_blocks} are free"
+            )
+        for _ in range(num_blocks):
+            block_id = self._free_block_ids.popleft()
+            self._owner_by_block_id[block_id] = seq.seq_id
+            seq.block_table.append(block_id)

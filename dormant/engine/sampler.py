@@ -1,0 +1,189 @@
+"""Greedy and seeded random sampling, vectorized and without host synchronization.
+
+Random rows use the exponential-noise trick: ``argmax_v(p_v / E_v)`` with ``E_v ~ Exp(1)``
+i.i.d. picks ``v`` with probability ``p_v``. The noise is not drawn from a generator: each
+``E_v`` is a pure function of ``(seed, step, v)`` (a counter-based hash), so a request's
+token depends only on its own logits, seed and output position. That makes sampling
+reproducible whatever the batch composition, after a preemption, and under CUDA graphs.
+
+Hashing uses 32-bit words held in int64 tensors, masked after every step, and multipliers
+below 2**31, so no product reaches 2**63: there is no signed overflow anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from dormant.engine.sequence import Sequence
+
+_MASK_32 = 0xFFFFFFFF
+_MASK_64 = (1 << 64) - 1
+# The "lowbias32" mixer of Wellons' hash-prospector, [16 21f0aaad 15 735a2d97 15]: a strong
+# 32-bit bijection whose multipliers are below 2**31.
+_MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+_MIX_SHIFTS = (16, 15, 15)
+# U = (k + 0.5) / 2**23 with k < 2**23 is exact in float32 and strictly inside (0, 1).
+_NUM_UNIFORM_BITS = 23
+# Distinct salts give the two per-row keys independent hashes of (seed, step).
+_KEY_SALTS = (0x9E3779B9, 0x7F4A7C15)
+# Rows of the packed int64 host buffer; _FLOAT_ROW holds temperatures then top_ps as float32.
+_SEED_ROW, _STEP_ROW, _TOP_K_ROW, _GREEDY_ROW = range(4)
+_KEY_ROWS = slice(4, 6)
+_FLOAT_ROW = 6
+_NUM_PACKED_ROWS = 7
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the device, for a batch of ``n`` rows.
+
+    ``top_ks`` holds the vocabulary size for rows without top-k (keep all tokens), and
+    ``steps`` the output position of the token being sampled. ``noise_keys`` are the
+    per-row hashes of ``(seeds, steps)`` (see ``noise_keys``), computed on the host so the
+    device only does per-element work. The host-side flags are computed when the tensors
+    are built, so branching on them costs no synchronization.
+    """
+
+    temperatures: torch.Tensor  # float32 [n]; 1.0 on greedy rows (unused there)
+    top_ks: torch.Tensor  # int32 [n], in 1 .. vocab_size
+    top_ps: torch.Tensor  # float32 [n], in (0, 1]
+    seeds: torch.Tensor  # int64 [n] (the 64-bit seed, two's complement)
+    steps: torch.Tensor  # int64 [n]
+    is_greedy: torch.Tensor  # bool [n]
+    noise_keys: torch.Tensor  # int64 [2, n]
+    is_all_greedy: bool
+    is_any_filtered: bool  # some random row has top_k < vocab_size or top_p < 1
+
+    @classmethod
+    def from_sequences(
+        cls, seqs: SequenceOf[Sequence], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
+        """Build the rows for ``seqs`` (one row each, in order) on ``device``.
+
+        The values are packed into one host buffer (pinned for CUDA) and copied with a
+        single ``non_blocking`` transfer.
+        """
+        device = torch.device(device)
+        num_seqs = len(seqs)
+        seeds, steps, top_ks, greedy_flags, temperatures, top_ps = [], [], [], [], [], []
+        for seq in seqs:
+            params = seq.params
+            seed = seq.seed & _MASK_64
+            seeds.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
+            steps.append(seq.num_output_tokens)
+            top_ks.append(vocab_size if params.top_k is None else min(params.top_k, vocab_size))
+            greedy_flags.append(params.is_greedy)
+            temperatures.append(1.0 if params.is_greedy else params.temperature)
+            top_ps.append(params.top_p)
+        packed = torch.empty(
+            (_NUM_PACKED_ROWS, num_seqs), dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        int_rows = [seeds, steps, top_ks, greedy_flags]
+        packed[: len(int_rows)] = torch.tensor(int_rows, dtype=torch.int64)
+        packed[_KEY_ROWS] = noise_keys(packed[_SEED_ROW], packed[_STEP_ROW])
+        packed[_FLOAT_ROW].view(torch.float32).copy_(
+            torch.tensor([*temperatures, *top_ps], dtype=torch.float32)
+        )
+        is_all_greedy = all(greedy_flags)
+        is_any_filtered = any(
+            not greedy and (top_k < vocab_size or top_p < 1.0)
+            for greedy, top_k, top_p in zip(greedy_flags, top_ks, top_ps, strict=True)
+        )
+        on_device = packed.to(device, non_blocking=True)
+        device_floats = on_device[_FLOAT_ROW].view(torch.float32)
+        return cls(
+            temperatures=device_floats[:num_seqs],
+            top_ks=on_device[_TOP_K_ROW].to(torch.int32),
+            top_ps=device_floats[num_seqs:],
+            seeds=on_device[_SEED_ROW],
+            steps=on_device[_STEP_ROW],
+            is_greedy=on_device[_GREEDY_ROW].bool(),
+            noise_keys=on_device[_KEY_ROWS],
+            is_all_greedy=is_all_greedy,
+            is_any_filtered=is_any_filtered,
+        )
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token id per row of ``logits`` (float32 [n, V]) as an int64 [n] device tensor.
+
+    Greedy rows take the argmax. Random rows divide by their temperature, keep their top-k
+    tokens, then the smallest top-p mass of those (renormalized), and sample from what is
+    left. Never synchronizes with the host.
+    """
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise TypeError(
+            f"sample needs float32 logits of shape [n, V], got {logits.dtype} {tuple(logits.shape)}"
+        )
+    greedy_tokens = logits.argmax(dim=-1)
+    if t.is_all_greedy:
+        return greedy_tokens
+    scaled = logits / t.temperatures[:, None]
+    if t.is_any_filtered:
+        scaled, vocab_ids = scaled.sort(dim=-1, descending=True, stable=True)
+        scaled = scaled.masked_fill(~_top_k_top_p_mask(scaled, t), float("-inf"))
+    else:
+        vocab_ids = None
+    # Unnormalized probabilities: the argmax does not need the sum, and skipping it keeps
+    # the result bitwise independent of whether the row went through the sort.
+    probs = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+    noise = exponential_noise(t.noise_keys, logits.shape[-1], vocab_ids)
+    choice = probs.div_(noise).argmax(dim=-1, keepdim=True)
+    random_tokens = choice.squeeze(-1) if vocab_ids is None else vocab_ids.gather(-1, choice)
+    return torch.where(t.is_greedy, greedy_tokens, random_tokens.reshape(-1))
+
+
+def _top_k_top_p_mask(sorted_logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Which entries of each descending row to keep: its top-k, then the top-p of those.
+
+    The first entry is always kept, and rows with ``top_p == 1`` keep all of their top-k
+    (a float cumulative sum can pass 1.0 early and would drop the tail otherwise).
+    """
+    ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
+    keep = ranks[None, :] < t.top_ks[:, None]
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    top_ps = t.top_ps[:, None]
+    return keep & ((mass_before < top_ps) | (top_ps >= 1.0))
+
+
+def exponential_noise(
+    keys: torch.Tensor, vocab_size: int, vocab_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exp(1) noise, float32 [n, V], for the rows' ``noise_keys`` (int64 [2, n]).
+
+    Entry ``[i, j]`` is a pure function of ``(keys[:, i], v)``, where ``v`` is
+    ``vocab_ids[i, j]``, or ``j`` when ``vocab_ids`` is ``None``. Every value is finite and
+    strictly positive. Per element this costs one table lookup, a keyed xor-add and one
+    32-bit mix: the hash of each vocabulary id is shared by all rows.
+    """
+    id_hashes = _mix32(torch.arange(vocab_size, device=keys.device))
+    id_hashes = id_hashes[None, :] if vocab_ids is None else id_hashes[vocab_ids]
+    bits = (id_hashes ^ keys[0, :, None]).add_(keys[1, :, None]).bitwise_and_(_MASK_32)
+    bits = _mix32(bits).bitwise_right_shift_(32 - _NUM_UNIFORM_BITS)
+    uniform = bits.to(torch.float32).add_(0.5).mul_(2.0**-_NUM_UNIFORM_BITS)
+    return uniform.log_().neg_()
+
+
+def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Two 32-bit keys per row (int64 [2, n]), each hashing all 128 bits of ``(seed, step)``."""
+    keys = torch.stack([torch.full_like(seeds, salt) for salt in _KEY_SALTS])
+    for value in (seeds, steps):
+        keys = _mix32(keys ^ (value & _MASK_32))
+        keys = _mix32(keys ^ ((value >> 32) & _MASK_32))
+    return keys
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit mix of ``x`` (int64 values in [0, 2**32)); returns a new tensor."""
+    first_shift, second_shift, third_shift = _MIX_SHIFTS
+    first_multiplier, second_multiplier = _MIX_MULTIPLIERS
+    x = x ^ (x >> first_shift)
+    x.mul_(first_multiplier).bitwise_and_(_MASK_32)
+    x ^= x >> second_shift
+    x.mul_(second_multiplier).bitwise_and_(_MASK_32)
+    x ^= x >> third_shift
+    return x

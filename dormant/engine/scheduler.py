@@ -1,0 +1,295 @@
+"""Continuous batching: each step is either a prefill of waiting sequences or a decode.
+
+Sequences move between two queues:
+
+| queue     | status  | holds blocks | KV computed               |
+|-----------|---------|--------------|---------------------------|
+| `waiting` | WAITING | no           | none (num_computed = 0)   |
+| `running` | RUNNING | yes          | all but the newest token  |
+
+Invariants between calls:
+    - every unfinished sequence added is in exactly one queue; finished ones in neither;
+    - ``len(running) <= config.max_num_seqs``;
+    - only running sequences hold blocks (see ``BlockManager``);
+    - at most one batch is in flight: ``schedule`` hands it out, ``postprocess`` takes it
+      back, and ``preempt_all`` discards it.
+
+Preemption is by recompute: the sequence's blocks are freed, it goes back to the front of
+`waiting` with its output kept, and its next prefill recomputes the KV of all its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dormant.engine.block_manager import BlockManager
+from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class SchedulerError(RuntimeError):
+    """Base class for misuse of the scheduler."""
+
+
+class RequestTooLongError(SchedulerError, ValueError):
+    """A request can never be served: its prompt or its KV exceeds what the engine holds."""
+
+
+class DuplicateSequenceError(SchedulerError, ValueError):
+    """A sequence id was added while a sequence with that id is still unfinished."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one scheduling step.
+
+    Attributes:
+        max_num_seqs: most sequences running at once (the largest decode batch).
+        max_num_batched_tokens: most tokens computed in one step.
+        max_model_len: most positions a sequence's KV may use.
+
+    Since prefills are not chunked, a sequence of ``max_model_len`` tokens must fit in one
+    step, so ``max_num_batched_tokens >= max_model_len`` is required.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): prefills are not chunked, so a "
+                "preempted sequence must be recomputable in one step"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so a full decode batch fits in one step"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """The sequences of one step.
+
+    For a prefill, each sequence computes positions ``num_computed_tokens .. num_tokens-1``;
+    for a decode, each computes its last position ``num_tokens-1``. Either way every
+    sequence then samples one token. Block tables already cover all computed positions.
+    ``num_scheduled_tokens`` is the total number of positions computed, fixed at scheduling.
+    """
+
+    seqs: tuple[Sequence, ...]
+    is_prefill: bool
+    num_scheduled_tokens: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """Decides which sequences run each step, and applies the sampled tokens."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._waiting: deque[Sequence] = deque()
+        self._running: deque[Sequence] = deque()
+        self._unfinished_by_id: dict[int, Sequence] = {}
+        self._batch_in_flight: ScheduledBatch | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished_by_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new WAITING sequence at the back of `waiting`.
+
+        Raises ``RequestTooLongError`` if its prompt exceeds ``max_model_len`` or it could not
+        run to completion even with the whole cache, and ``DuplicateSequenceError`` if its id
+        is in use. Neither changes any state.
+        """
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise SchedulerError(f"only new WAITING sequences without blocks can be added: {seq!r}")
+        if seq.seq_id in self._unfinished_by_id:
+            raise DuplicateSequenceError(f"sequence id {seq.seq_id} is already scheduled")
+        max_model_len = self.config.max_model_len
+        if seq.num_tokens > max_model_len:
+            raise RequestTooLongError(
+                f"sequence {seq.seq_id} has {seq.num_tokens} prompt tokens, more than "
+                f"max_model_len={max_model_len}; shorten the prompt"
+            )
+        num_blocks = self.block_manager.num_blocks_for(self._max_num_kv_tokens(seq))
+        if num_blocks > self.block_manager.num_blocks:
+            raise RequestTooLongError(
+                f"sequence {seq.seq_id} may need {num_blocks} KV blocks (prompt "
+                f"{seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens}, capped by "
+                f"max_model_len={max_model_len}) but the cache has only "
+                f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache"
+            )
+        self._waiting.append(seq)
+        self._unfinished_by_id[seq.seq_id] = seq
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step: a prefill if any waiting sequence fits, else a decode.
+
+        Returns ``None`` exactly when there is no unfinished sequence. Postcondition: every
+        returned sequence is RUNNING and its block table covers all of its tokens.
+        Precondition: the previous batch was postprocessed (else ``SchedulerError``).
+        """
+        if self._batch_in_flight is not None:
+            raise SchedulerError("the previous batch is still in flight; postprocess it first")
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None and self._unfinished_by_id:
+            raise SchedulerError(
+                f"no sequence can be scheduled: {self.num_waiting} waiting, "
+                f"{self.num_running} running, {self.block_manager.num_free_blocks} free blocks"
+            )
+        self._batch_in_flight = batch
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
+        """Record the step's KV and append ``token_ids[i]`` to ``batch.seqs[i]``.
+
+        Sequences finished since ``schedule`` (aborted) are skipped. A sequence finishes on an
+        EOS token (unless ``ignore_eos``), on one of its ``stop_token_ids``, at ``max_tokens``
+        outputs or at ``max_model_len`` tokens; its blocks are freed. Returns the newly
+        finished sequences, in batch order.
+        Precondition: ``batch`` is the batch in flight (else ``SchedulerError``).
+        """
+        if batch is not self._batch_in_flight:
+            raise SchedulerError(
+                "this batch is not in flight: it was postprocessed already, or preempt_all "
+                "discarded it (its sequences will recompute)"
+            )
+        if len(token_ids) != batch.num_seqs:
+            raise ValueError(f"got {len(token_ids)} token ids for a batch of {batch.num_seqs}")
+        self._batch_in_flight = None
+        finished: list[Sequence] = []
+        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = seq.num_tokens
+            seq.append_token(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        if finished:
+            self._running = deque(seq for seq in self._running if not seq.is_finished)
+        return finished
+
+    def abort(self, seq_ids: Iterable[int] | None = None) -> list[Sequence]:
+        """Finish the given unfinished sequences (all when ``None``) with reason ABORT.
+
+        Ids that are unknown or already finished are ignored: a request may finish just
+        before its abort arrives. Returns the aborted sequences; their blocks are freed.
+        """
+        if seq_ids is None:
+            targets = list(self._unfinished_by_id.values())
+        else:
+            targets = [self._unfinished_by_id[i] for i in seq_ids if i in self._unfinished_by_id]
+        for seq in targets:
+            self._finish(seq, FinishReason.ABORT)
+        if targets:
+            self._waiting = deque(seq for seq in self._waiting if not seq.is_finished)
+            self._running = deque(seq for seq in self._running if not seq.is_finished)
+        return targets
+
+    def preempt_all(self) -> None:
+        """Move every running sequence to the front of `waiting`, in order, freeing its blocks.
+
+        Used before the KV cache is discarded (sleep in "keep" mode), or to recover from a
+        failed step: the sequences keep their outputs and recompute their KV when scheduled
+        again. A batch in flight is discarded. Postcondition: no block is held.
+        """
+        self._batch_in_flight = None
+        while self._running:
+            self._preempt(self._running.pop())
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+        config = self.config
+        while self._waiting and len(self._running) < config.max_num_seqs:
+            seq = self._waiting[0]
+            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
+            is_over_budget = num_batched_tokens + num_new_tokens > config.max_num_batched_tokens
+            if is_over_budget or not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            num_batched_tokens += num_new_tokens
+            seq.status = SequenceStatus.RUNNING
+            self._waiting.popleft()
+            self._running.append(seq)
+            scheduled.append(seq)
+        return ScheduledBatch(tuple(scheduled), True, num_batched_tokens) if scheduled else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        while self._running:
+            seq = self._running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self._running:
+                    self._preempt(self._running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.append_block_if_needed(seq)
+                scheduled.append(seq)
+        self._running.extend(scheduled)
+        return ScheduledBatch(tuple(scheduled), False, len(scheduled)) if scheduled else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self._waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish(reason)
+        self.block_manager.free(seq)
+        del self._unfinished_by_id[seq.seq_id]
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _max_num_kv_tokens(self, seq: Sequence) -> int:
+        """The most tokens whose KV ``seq`` may ever need at once.
+
+        The last token a sequence gets is sampled but never computed, so it needs KV for
+        at most ``max_total - 1`` tokens, and at least its prompt.
+        """
+        max_model_len = self.config.max_model_len
+        max_total = min(seq.num_prompt_tokens + seq.params.max_tokens, max_model_len)
+        return max(seq.num_prompt_tokens, max_total - 1)
