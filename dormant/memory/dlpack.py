@@ -9,6 +9,7 @@ object would fire too early, since views share storage (DESIGN §2.4).
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable
 
@@ -60,12 +61,23 @@ _live: dict[int, tuple[_DLManagedTensor, ctypes.Array, Callable[[], None]]] = {}
 _live_lock = threading.Lock()
 
 
-@_DELETER
-def _on_storage_freed(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
-    key = ctypes.addressof(managed.contents)
-    with _live_lock:
-        _, _, on_free = _live.pop(key)
-    on_free()
+def _make_deleter() -> Callable[..., None]:
+    # The callback may run during interpreter teardown, after module globals were cleared, so
+    # everything it needs is bound here, in a closure.
+    is_finalizing, live, lock, addressof = sys.is_finalizing, _live, _live_lock, ctypes.addressof
+
+    @_DELETER
+    def on_storage_freed(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
+        if is_finalizing():  # the process and all its memory are going away
+            return
+        with lock:
+            _, _, on_free = live.pop(addressof(managed.contents))
+        on_free()
+
+    return on_storage_freed
+
+
+_on_storage_freed = _make_deleter()
 
 
 def tensor_at(

@@ -90,11 +90,13 @@ class CausalLM(nn.Module, ABC):
         items: Sequence[tuple[str, torch.Size, torch.dtype]],
         *,
         require_complete: bool = False,
+        exact_dtype: bool = False,
     ) -> None:
         """Validates checkpoint names, full shapes and dtypes without writing anything.
 
         Raises ``WeightError`` naming every bad entry (and, with ``require_complete``, every
-        missing required name).
+        missing required name). Any float dtype is accepted (cast on copy) unless
+        ``exact_dtype``, which requires each tensor's dtype to equal its target's.
         """
         weight_io.check_weights(
             self,
@@ -102,6 +104,7 @@ class CausalLM(nn.Module, ABC):
             self.config.tie_word_embeddings,
             items,
             require_complete,
+            exact_dtype,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

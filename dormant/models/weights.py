@@ -108,9 +108,16 @@ def is_ignored(name: str, is_tied: bool) -> bool:
 
 
 def item_problem(
-    name: str, shape: torch.Size, dtype: torch.dtype, table: Mapping[str, WeightTarget]
+    name: str,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    table: Mapping[str, WeightTarget],
+    exact_dtype: bool = False,
 ) -> str | None:
-    """One line describing what is wrong with a checkpoint entry, or None if it fits."""
+    """One line describing what is wrong with a checkpoint entry, or None if it fits.
+
+    With ``exact_dtype`` the dtype must be the target's own (a refit never casts silently).
+    """
     target = table.get(name)
     if target is None:
         close = difflib.get_close_matches(name, table.keys(), n=1)
@@ -124,6 +131,8 @@ def item_problem(
             f"{name}: dtype {dtype}, expected float32/float16/bfloat16 "
             "(quantized checkpoint weights are not supported)"
         )
+    if exact_dtype and dtype != target.tensor.dtype:
+        return f"{name}: dtype {dtype}, expected {target.tensor.dtype} (cast it before the refit)"
     return None
 
 
@@ -133,6 +142,7 @@ def check_weights(
     is_tied: bool,
     items: Sequence[tuple[str, torch.Size, torch.dtype]],
     require_complete: bool,
+    exact_dtype: bool = False,
 ) -> None:
     """Raises ``WeightError`` listing every bad entry; writes nothing."""
     table = weight_targets(model, packed)
@@ -144,7 +154,7 @@ def check_weights(
         seen.add(name)
         if is_ignored(name, is_tied):
             continue
-        problem = item_problem(name, shape, dtype, table)
+        problem = item_problem(name, shape, dtype, table, exact_dtype)
         if problem is not None:
             problems.append(problem)
     if require_complete:

@@ -1,0 +1,43 @@
+"""The typed commands an engine sends its workers, and the public RPC allowlist.
+
+Workers dispatch on these enums through a table of bound methods: a string from outside never
+reaches ``getattr``. ``collective_rpc`` accepts exactly the names in ``PUBLIC_RPC``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Command(enum.Enum):
+    LOAD_MODEL = "load_model"
+    NUM_AVAILABLE_BLOCKS = "num_available_blocks"
+    INIT_KV_CACHE = "init_kv_cache"
+    EXECUTE = "execute"
+    SLEEP = "sleep"
+    WAKE_UP = "wake_up"
+    RELOAD_WEIGHTS = "reload_weights"
+    UPDATE_WEIGHTS = "update_weights"
+    MEMORY_STATUS = "memory_status"
+    AUDIT = "audit"
+    VERIFY_GUARDS = "verify_guards"
+    CHECK_HEALTH = "check_health"
+    SHUTDOWN = "shutdown"
+
+
+# What ``collective_rpc(name)`` may call on every worker. Sleep, wake and weight updates are also
+# reachable through it, but the engine routes them through its own methods so that its view of
+# the workers' state stays right.
+PUBLIC_RPC: dict[str, Command] = {
+    command.value: command
+    for command in (
+        Command.SLEEP,
+        Command.WAKE_UP,
+        Command.RELOAD_WEIGHTS,
+        Command.UPDATE_WEIGHTS,
+        Command.MEMORY_STATUS,
+        Command.AUDIT,
+        Command.VERIFY_GUARDS,
+        Command.CHECK_HEALTH,
+    )
+}

@@ -1,0 +1,113 @@
+"""The model runner's per-step inputs: static device buffers in ``runtime``, filled from host.
+
+The device buffers are allocated once, in the ``runtime`` tag, and never replaced: a captured
+graph reads them at fixed addresses, and a sleep preserves them (HOST at every level). Each step
+writes its first ``num_tokens`` / ``num_seqs`` entries from host staging arrays (pinned on CUDA)
+with non-blocking copies, and the metadata views those prefixes.
+
+| buffer           | dtype | shape                         | entry                              |
+|------------------|-------|-------------------------------|------------------------------------|
+| input_ids        | int64 | [max_num_batched_tokens]      | token id of each new token         |
+| positions        | int64 | [max_num_batched_tokens]      | its position in its sequence       |
+| slot_mapping     | int64 | [max_num_batched_tokens]      | its KV slot: block * bs + offset   |
+| logits_indices   | int64 | [max_num_seqs]                | index of each sequence's last token|
+| seq_lens         | int32 | [max_num_seqs]                | context length after the step      |
+| query_start_loc  | int32 | [max_num_seqs + 1]            | cumulative new-token counts        |
+| block_tables     | int32 | [max_num_seqs, max_blocks]    | KV block ids; padding is never read|
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dormant.engine.config import EngineConfig
+from dormant.engine.step_input import StepInput
+from dormant.layers.context import AttentionMetadata
+from dormant.memory import RUNTIME, MemoryManager
+
+_TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
+
+
+class InputBuffers:
+    def __init__(self, mm: MemoryManager, config: EngineConfig) -> None:
+        max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
+        self.block_size = config.block_size
+        specs = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "slot_mapping": ((max_tokens,), torch.int64),
+            "logits_indices": ((max_seqs,), torch.int64),
+            "seq_lens": ((max_seqs,), torch.int32),
+            "query_start_loc": ((max_seqs + 1,), torch.int32),
+            "block_tables": ((max_seqs, config.max_num_blocks_per_seq), torch.int32),
+        }
+        tensors = mm.empty_many(list(specs.values()), tag=RUNTIME)
+        for tensor in tensors:
+            tensor.zero_()  # padding entries of graph batches must point at valid slots
+        (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.logits_indices,
+            self.seq_lens,
+            self.query_start_loc,
+            self.block_tables,
+        ) = tensors
+        self.device_buffers: dict[str, torch.Tensor] = dict(zip(specs, tensors, strict=True))
+        pin = mm.backend.device.type == "cuda"
+        self._host = {
+            name: torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            for name, (shape, dtype) in specs.items()
+        }
+        self._host_np = {name: t.numpy() for name, t in self._host.items()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device buffer (what the pointer guard watches)."""
+        return list(self.device_buffers.values())
+
+    def load(self, step: StepInput) -> AttentionMetadata:
+        """Stages ``step`` on the host, copies it into the device buffers, returns the metadata.
+
+        Precondition: the previous step's copies have completed (the runner synchronizes when it
+        reads the sampled tokens), so the host staging arrays may be overwritten.
+        """
+        num_seqs, num_tokens = len(step.seqs), step.num_tokens
+        h = self._host_np
+        query_lens = np.fromiter((len(s.token_ids) for s in step.seqs), np.int64, num_seqs)
+        starts = np.fromiter((s.start_position for s in step.seqs), np.int64, num_seqs)
+        h["query_start_loc"][0] = 0
+        np.cumsum(query_lens, out=h["query_start_loc"][1 : num_seqs + 1])
+        cu = h["query_start_loc"][: num_seqs + 1].astype(np.int64)
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        positions = starts[seq_of_token] + np.arange(num_tokens) - cu[:-1][seq_of_token]
+        h["input_ids"][:num_tokens] = np.fromiter(
+            (t for s in step.seqs for t in s.token_ids), np.int64, num_tokens
+        )
+        h["positions"][:num_tokens] = positions
+        max_blocks = max(len(s.block_table) for s in step.seqs)
+        tables = h["block_tables"]
+        for row, seq in enumerate(step.seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        blocks = tables[seq_of_token, positions // self.block_size].astype(np.int64)
+        h["slot_mapping"][:num_tokens] = blocks * self.block_size + positions % self.block_size
+        h["seq_lens"][:num_seqs] = starts + query_lens
+        h["logits_indices"][:num_seqs] = cu[1:] - 1
+
+        counts = {"logits_indices": num_seqs, "seq_lens": num_seqs, "query_start_loc": num_seqs + 1}
+        for name, device_buffer in self.device_buffers.items():
+            if name == "block_tables":
+                device_buffer[:num_seqs, :max_blocks].copy_(
+                    self._host[name][:num_seqs, :max_blocks], non_blocking=True
+                )
+                continue
+            n = num_tokens if name in _TOKEN_BUFFERS else counts[name]
+            device_buffer[:n].copy_(self._host[name][:n], non_blocking=True)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_seqs, :max_blocks],
+            seq_lens=self.seq_lens[:num_seqs],
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int((starts + query_lens).max()),
+        )
