@@ -133,6 +133,7 @@ def wake_allocations(
             raise _wake_oom(backend, allocations) from error
         raise
     t_end = time.perf_counter()
+    copied = sum(a.size for a in allocations if a.state is State.OFFLOADED)
     for allocation, handle in mapped:
         allocation.handle, allocation.state = handle, State.MAPPED
     return WakeReport(
@@ -140,7 +141,7 @@ def wake_allocations(
         map_s=t_map - t0,  # mapping, with the copies already running under it
         copy_s=t_end - t_map,
         bytes_mapped=sum(a.size for a in allocations),
-        bytes_copied=sum(a.size for a in allocations if a.state is State.OFFLOADED),
+        bytes_copied=copied,
     )
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from dormant.cli import main
+
+sys.exit(main())
