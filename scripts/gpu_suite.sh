@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: the GPU tests and the benchmarks, in one command, on a CUDA machine.
 #
-#   scripts/gpu_suite.sh [tests|bench|all] [test paths or pytest args...]  (default: tests)
+#   scripts/gpu_suite.sh [tests|bench|demo|all] [test paths or pytest args...]  (default: tests)
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
 # (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
@@ -26,7 +26,11 @@ if [[ $stage == tests || $stage == all ]]; then
   status=$((status | PIPESTATUS[0]))
 fi
 if [[ $stage == bench || $stage == all ]]; then
-  python3 benchmarks/sleep_wake.py --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  python3 benchmarks/sleep_wake.py --cycles 4 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  status=$((status | PIPESTATUS[0]))
+fi
+if [[ $stage == demo || $stage == all ]]; then
+  python3 -m dormant.cli demo --png "$OUT/demo-timeline.png" 2>&1 | tee "$OUT/demo.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
