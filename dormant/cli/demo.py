@@ -169,7 +169,7 @@ def run_demo(device: str, level: int, size: str | None, png: str) -> int:
     timeline.mark("wake kv_cache", after_kv)
     steps.append(('wake_up(["kv_cache"])', after_weights, after_kv, after_kv.last_wake))
     refit_tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    llm.shutdown()
+    llm.shutdown()  # frees its memory: the fresh engine below gets the same device
 
     with tempfile.TemporaryDirectory() as checkpoint:
         Path(checkpoint, "config.json").write_text(json.dumps(raw))

@@ -10,6 +10,7 @@ replaying against stale addresses.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ class Worker:
             Command.UPDATE_WEIGHTS: self.update_weights,
             Command.MEMORY_STATUS: self.memory_status,
             Command.AUDIT: self.audit,
-            Command.VERIFY_GUARDS: self.mm.verify_guards,
+            Command.VERIFY_GUARDS: self.verify_guards,
             Command.CHECK_HEALTH: self.check_health,
             Command.SHUTDOWN: self.shutdown,
         }
@@ -141,10 +142,22 @@ class Worker:
     def audit(self) -> AuditReport:
         return self.mm.audit()
 
+    def verify_guards(self) -> None:
+        self.mm.verify_guards()
+
     def check_health(self) -> bool:
         return self._model is not None
 
     def shutdown(self) -> None:
+        """Drops the model, KV cache and runner so their memory returns now, then closes the
+        memory manager (the device can host another engine afterwards)."""
+        if self._model is not None:
+            for layer in self._model.attention_layers():
+                layer.kv_cache = None
+        self._model, self._runner = None, None
+        gc.collect()
+        if self.mm.backend.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.mm.close()
 
     def _load_weights(self, path: str | None) -> tuple[str, ...]:

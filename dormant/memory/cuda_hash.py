@@ -106,7 +106,11 @@ def hash_spans(spans: Sequence[Span], device: torch.device) -> list[bytes]:
     table = torch.from_numpy(rows).to(device)
     partials = torch.empty((len(rows), 4), dtype=torch.int32, device=device)
     _hash_kernel[(len(rows),)](table, partials, BLOCK=_BLOCK, TILES=_TILES)
-    sums = torch.zeros((len(spans), 4), dtype=torch.int64, device=device)
-    sums.index_add_(0, torch.from_numpy(owners).to(device), partials.to(torch.int64))
+    # Per-span sums as differences of a running sum: programs are grouped span by span. (An
+    # index_add_ here serialized on atomics: 11 ms instead of 2 for 8 GiB in 195 spans.)
+    running = partials.to(torch.int64).cumsum(0)
+    last = torch.from_numpy(np.flatnonzero(np.diff(owners, append=len(spans)))).to(device)
+    ends = running[last]
+    sums = ends - torch.cat([torch.zeros_like(ends[:1]), ends[:-1]])
     lanes = (sums & 0xFFFFFFFF).to(torch.int32).cpu().numpy()  # each lane is a sum mod 2^32
     return [row.tobytes() for row in lanes]

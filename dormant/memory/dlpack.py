@@ -8,6 +8,7 @@ object would fire too early, since views share storage (DESIGN §2.4).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import sys
 import threading
@@ -61,14 +62,26 @@ _live: dict[int, tuple[_DLManagedTensor, ctypes.Array, Callable[[], None]]] = {}
 _live_lock = threading.Lock()
 
 
+_exiting: list[bool] = []
+
+
+@atexit.register
+def _mark_exiting() -> None:
+    # Registered after torch's own exit handlers (torch is imported first), so it runs before
+    # them: from here on, frees are left to the process's exit (no driver calls into a context
+    # that is being torn down).
+    _exiting.append(True)
+
+
 def _make_deleter() -> Callable[..., None]:
     # The callback may run during interpreter teardown, after module globals were cleared, so
     # everything it needs is bound here, in a closure.
     is_finalizing, live, lock, addressof = sys.is_finalizing, _live, _live_lock, ctypes.addressof
+    exiting = _exiting
 
     @_DELETER
     def on_storage_freed(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
-        if is_finalizing():  # the process and all its memory are going away
+        if exiting or is_finalizing():  # the process and all its memory are going away
             return
         with lock:
             _, _, on_free = live.pop(addressof(managed.contents))

@@ -183,3 +183,26 @@ def test_sglang_release_and_resume(make_llm, checkpoint) -> None:
         )
         == before
     )
+
+
+def test_shutdown_returns_the_memory(make_llm, checkpoint) -> None:
+    """Regression: shutdown closed the manager but kept the model and KV cache alive, so a
+    second engine on the same device found no room (dormant demo on the H200)."""
+    llm = make_llm(str(checkpoint))
+    backend = worker_of(llm).mm.backend
+    free_before, _ = backend.memory_info()
+    llm.shutdown()
+    free_after, _ = backend.memory_info()
+    assert free_after - free_before >= 4 << 20  # at least the KV cache came back
+
+
+def test_kv_cache_tag_holds_only_the_backing(make_llm, checkpoint) -> None:
+    """DESIGN §3 invariant 1, through the audit: one declared block in kv_cache, nothing else."""
+    llm = make_llm(str(checkpoint), memory_strict=True)
+    records = llm.audit()[0].by_tag("kv_cache")
+    caches = [layer.kv_cache for layer in worker_of(llm).model.attention_layers()]
+    assert len(records) == 1 and records[0].is_declared
+    assert records[0].address == caches[0].data_ptr()
+    assert records[0].nbytes == sum(c.numel() * c.element_size() for c in caches)
+    llm.sleep(level=2)  # strict mode: would raise on any undeclared allocation in kv_cache
+    llm.wake_up()
