@@ -26,6 +26,8 @@ if [[ $stage == tests || $stage == all ]]; then
   status=$((status | PIPESTATUS[0]))
 fi
 if [[ $stage == bench || $stage == all ]]; then
+  python3 benchmarks/decode.py --out "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log"
+  status=$((status | PIPESTATUS[0]))
   python3 benchmarks/sleep_wake.py --cycles 4 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
 fi

@@ -14,6 +14,7 @@ class Command(enum.Enum):
     NUM_AVAILABLE_BLOCKS = "num_available_blocks"
     INIT_KV_CACHE = "init_kv_cache"
     EXECUTE = "execute"
+    EXECUTE_MULTI_STEP = "execute_multi_step"
     SLEEP = "sleep"
     WAKE_UP = "wake_up"
     RELOAD_WEIGHTS = "reload_weights"

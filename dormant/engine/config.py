@@ -42,7 +42,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True
-    enforce_eager: bool = True
+    enforce_eager: bool = False  # False: decode runs from CUDA graphs on a GPU
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... max_num_seqs
+    cuda_graph_multi_steps: int = 4  # steps of the fused multi-step graph; < 2 captures none
     tensor_parallel_size: int = 1
     memory_poison: bool = False  # debug: fill discarded memory with 0xFF on wake
     memory_strict: bool = False  # refuse to discard undeclared allocations

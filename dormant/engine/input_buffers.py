@@ -30,9 +30,10 @@ _TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 
 
 class InputBuffers:
-    def __init__(self, mm: MemoryManager, config: EngineConfig) -> None:
+    def __init__(self, mm: MemoryManager, config: EngineConfig, null_block: int) -> None:
         max_tokens, max_seqs = config.max_num_batched_tokens, config.max_num_seqs
         self.block_size = config.block_size
+        self.null_block = null_block  # a KV block no sequence owns: padded rows write there
         specs = {
             "input_ids": ((max_tokens,), torch.int64),
             "positions": ((max_tokens,), torch.int64),
@@ -66,9 +67,12 @@ class InputBuffers:
         """Every device buffer (what the pointer guard watches)."""
         return list(self.device_buffers.values())
 
-    def load(self, step: StepInput) -> AttentionMetadata:
+    def load(self, step: StepInput, pad_to: int | None = None) -> AttentionMetadata:
         """Stages ``step`` on the host, copies it into the device buffers, returns the metadata.
 
+        ``pad_to`` (decode only) fills rows ``num_seqs .. pad_to`` with a harmless dummy
+        sequence: one token at position 0 whose KV goes to the reserved null block, so a graph
+        captured for ``pad_to`` sequences can run a smaller batch.
         Precondition: the previous step's copies have completed (the runner synchronizes when it
         reads the sampled tokens), so the host staging arrays may be overwritten.
         """
@@ -93,21 +97,43 @@ class InputBuffers:
         h["slot_mapping"][:num_tokens] = blocks * self.block_size + positions % self.block_size
         h["seq_lens"][:num_seqs] = starts + query_lens
         h["logits_indices"][:num_seqs] = cu[1:] - 1
+        rows, width = num_seqs, max_blocks
+        if pad_to is not None and pad_to > num_seqs:
+            if num_tokens != num_seqs:
+                raise ValueError("only decode steps (one token per sequence) can be padded")
+            self._stage_padding(num_seqs, pad_to)
+            rows, num_tokens, width = pad_to, pad_to, tables.shape[1]
 
-        counts = {"logits_indices": num_seqs, "seq_lens": num_seqs, "query_start_loc": num_seqs + 1}
+        counts = {"logits_indices": rows, "seq_lens": rows, "query_start_loc": rows + 1}
         for name, device_buffer in self.device_buffers.items():
             if name == "block_tables":
-                device_buffer[:num_seqs, :max_blocks].copy_(
-                    self._host[name][:num_seqs, :max_blocks], non_blocking=True
+                device_buffer[:rows, :width].copy_(
+                    self._host[name][:rows, :width], non_blocking=True
                 )
                 continue
             n = num_tokens if name in _TOKEN_BUFFERS else counts[name]
             device_buffer[:n].copy_(self._host[name][:n], non_blocking=True)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
-            block_tables=self.block_tables[:num_seqs, :max_blocks],
-            seq_lens=self.seq_lens[:num_seqs],
-            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            block_tables=self.block_tables[:rows, :width],
+            seq_lens=self.seq_lens[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
             max_query_len=int(query_lens.max()),
             max_seq_len=int((starts + query_lens).max()),
         )
+
+    def _stage_padding(self, start: int, stop: int) -> None:
+        h = self._host_np
+        h["input_ids"][start:stop] = 0
+        h["positions"][start:stop] = 0
+        h["slot_mapping"][start:stop] = self.null_block * self.block_size
+        h["seq_lens"][start:stop] = 1
+        h["logits_indices"][start:stop] = np.arange(start, stop)
+        h["query_start_loc"][start + 1 : stop + 1] = np.arange(start + 1, stop + 1)
+        h["block_tables"][start:stop, :] = self.null_block
+
+    def fill_padding(self) -> None:
+        """Makes every row a dummy sequence (before capturing graphs)."""
+        self._stage_padding(0, self.seq_lens.shape[0])
+        for name, device_buffer in self.device_buffers.items():
+            device_buffer.copy_(self._host[name][: device_buffer.shape[0]])

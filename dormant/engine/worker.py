@@ -44,6 +44,7 @@ class Worker:
             Command.NUM_AVAILABLE_BLOCKS: self.num_available_blocks,
             Command.INIT_KV_CACHE: self.init_kv_cache,
             Command.EXECUTE: self.execute,
+            Command.EXECUTE_MULTI_STEP: self.execute_multi_step,
             Command.SLEEP: self.sleep,
             Command.WAKE_UP: self.wake_up,
             Command.RELOAD_WEIGHTS: self.reload_weights,
@@ -99,11 +100,18 @@ class Worker:
         return spec.num_blocks_for(int(budget))
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocates ``num_blocks`` KV blocks plus one null block (id ``num_blocks``, owned by
+        no sequence: padded graph rows write there), then captures the decode graphs."""
         model = self.model
-        allocate_kv_cache(self.mm, model, kv_cache_spec(model, self.config), num_blocks)
-        self._runner = ModelRunner(self.config, model, self.mm)
+        allocate_kv_cache(self.mm, model, kv_cache_spec(model, self.config), num_blocks + 1)
+        self._runner = ModelRunner(self.config, model, self.mm, null_block=num_blocks)
         self.mm.guard_addresses("kv_cache", lambda: [a.kv_cache for a in model.attention_layers()])
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
+        if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.capture_graphs()
+
+    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+        return self.runner.execute_multi_step(step)
 
     def execute(self, step: StepInput) -> list[int]:
         return self.runner.execute(step)

@@ -173,7 +173,10 @@ class PagedAttention(nn.Module):
             self.v_scale,
         )
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        out = paged_attention_reference(query, cache, meta, self.scale, self.k_scale, self.v_scale)
+        attend = (
+            paged_decode_attention if _use_triton_decode(cache, meta) else paged_attention_reference
+        )
+        out = attend(query, cache, meta, self.scale, self.k_scale, self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
@@ -181,3 +184,16 @@ class PagedAttention(nn.Module):
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale}, layer_idx={self.layer_idx}"
         )
+
+
+def _use_triton_decode(cache: Tensor, meta: AttentionMetadata) -> bool:
+    """Decode steps on a GPU use the Triton kernel; prefill and CPU use the reference."""
+    return cache.is_cuda and meta.max_query_len == 1 and _HAS_TRITON
+
+
+try:
+    from dormant.layers.triton_attention import paged_decode_attention
+
+    _HAS_TRITON = True
+except ImportError:  # CPU-only installs: the reference serves every step
+    _HAS_TRITON = False

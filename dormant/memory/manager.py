@@ -31,9 +31,11 @@ from dormant.memory.arena import HostArena
 from dormant.memory.audit import AuditReport, describe_undeclared, make_report
 from dormant.memory.backend import Backend, open_backend
 from dormant.memory.blocks import BlockTable
+from dormant.memory.capture import TagPools, capture_scope, in_capture_scope, require_cuda
 from dormant.memory.errors import (
     ManagerClosedError,
     ManagerExistsError,
+    MemoryLayerError,
     SleepConflictError,
     StrictModeError,
     TagAsleepError,
@@ -42,6 +44,7 @@ from dormant.memory.errors import (
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.policy import (
     BUILTIN_TAGS,
+    CUDA_GRAPH,
     Policy,
     as_tag_list,
     is_discardable,
@@ -105,6 +108,7 @@ class MemoryManager:
         self._asleep: dict[str, Policy] = {}
         self._guard = PointerGuard()
         self._serial = SerialSection()
+        self._tag_pools = TagPools(self.raw_alloc, self.raw_free)
         self._is_closed = False
         self.last_sleep: SleepReport | None = None
         self.last_wake: WakeReport | None = None
@@ -175,6 +179,27 @@ class MemoryManager:
         with self._op():
             self._table.declare(address)
 
+    # ── torch integration (CUDA) ──────────────────────────────────────────────────────────────
+
+    @contextmanager
+    def capture(self, tag: str) -> Iterator[None]:
+        """Routes this thread's torch CUDA allocations in scope into ``tag`` (see capture.py).
+
+        The memory is undeclared: the audit lists it and strict mode refuses to discard it until
+        ``declare_backing``. Do not call ``sleep``/``wake_up`` inside the scope.
+        """
+        require_cuda(self.backend.device, "capture()")
+        self._check_tags([tag])
+        with capture_scope(self._tag_pools.pool(tag)):
+            yield
+
+    def graph_pool(self, tag: str = CUDA_GRAPH) -> torch.cuda.MemPool:
+        """The MemPool of ``tag``, for ``torch.cuda.graph(g, pool=mm.graph_pool().id)``: the
+        graph's private memory then sleeps with ``tag`` (HOST at every level by default)."""
+        require_cuda(self.backend.device, "graph_pool()")
+        self._check_tags([tag])
+        return self._tag_pools.pool(tag)
+
     # ── safety tools ──────────────────────────────────────────────────────────────────────────
 
     def audit(self, tags: Iterable[str] | None = None) -> AuditReport:
@@ -223,6 +248,7 @@ class MemoryManager:
         if (level is None) == (tags is None):
             raise TypeError("sleep() takes exactly one of level=... or tags={tag: policy}")
         request = level_policies(level, self._user_tags) if tags is None else parse_policies(tags)
+        self._check_not_capturing("sleep()")
         with self._op():
             self._check_tags(request)
             self._guard.verify()
@@ -261,6 +287,7 @@ class MemoryManager:
         Transactional: if mapping fails nothing changes, and WakeOutOfMemoryError says how many
         bytes were needed and how many were free.
         """
+        self._check_not_capturing("wake_up()")
         with self._op():
             names = list(self._asleep) if tags is None else self._check_tags(as_tag_list(tags))
             waking = [t for t in dict.fromkeys(names) if t in self._asleep]
@@ -301,6 +328,13 @@ class MemoryManager:
             if self._is_closed:
                 raise ManagerClosedError("this MemoryManager was closed; create a new one")
             yield
+
+    def _check_not_capturing(self, what: str) -> None:
+        if in_capture_scope():
+            raise MemoryLayerError(
+                f"{what} inside a capture scope: its own torch allocations would be captured "
+                "into a tag. Leave the `with mm.capture(...)` block first."
+            )
 
     def _check_tags(self, tags: Iterable[str]) -> list[str]:
         names = list(tags)

@@ -112,3 +112,16 @@ def test_pointer_guard_catches_storage_swaps_and_is_checked_at_wake(mm: MemoryMa
     mm.wake_up()
     with pytest.raises(KeyError):
         mm.unguard("table")
+
+
+def test_capture_needs_the_cuda_backend() -> None:
+    from dormant.memory import MemoryLayerError
+
+    mm = MemoryManager("host")
+    try:
+        with pytest.raises(MemoryLayerError, match="cuda backend"), mm.capture("kv_cache"):
+            pass
+        with pytest.raises(MemoryLayerError, match="cuda backend"):
+            mm.graph_pool()
+    finally:
+        mm.close()

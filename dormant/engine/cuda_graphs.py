@@ -1,0 +1,109 @@
+"""CUDA graphs of the decode step, captured once into the ``cuda_graph`` pool and never again.
+
+Two kinds, one per captured batch size (a batch is padded up to the next size):
+
+- ``full``: one decode step, attention included: inputs → logits.
+- ``multi_step``: ``num_steps`` greedy decode steps in one replay, sampling and KV append
+  included. Between steps the graph feeds each sampled token back, advances the positions and
+  sequence lengths, and recomputes the slot mapping from the block tables, all on the device.
+  This is the shape of graph that crashed in the prior art when block tables and their layout
+  tensors were rebuilt on wake: it reads them at captured addresses, again and again.
+
+Every tensor a graph reads lives in ``runtime`` (inputs, block tables, scales) or ``weights`` /
+``kv_cache``, allocated once; the graph's own intermediates live in the ``cuda_graph`` pool. So a
+sleep/wake cycle at any level leaves every captured address valid and nothing is recaptured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dormant.engine.input_buffers import InputBuffers
+from dormant.layers.context import AttentionMetadata, forward_context
+from dormant.memory import RUNTIME, MemoryManager
+from dormant.models import CausalLM
+
+
+@dataclass(frozen=True)
+class CapturedGraph:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor  # full: logits [bs, vocab]; multi_step: tokens [num_steps, bs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        inputs: InputBuffers,
+        mm: MemoryManager,
+        batch_sizes: list[int],
+        num_steps: int,
+        max_model_len: int,
+    ) -> None:
+        self.model, self.inputs, self.mm = model, inputs, mm
+        self.batch_sizes = sorted(batch_sizes)
+        self.num_steps = num_steps
+        self.max_model_len = max_model_len
+        self.full: dict[int, CapturedGraph] = {}
+        self.multi_step: dict[int, CapturedGraph] = {}
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        return next((bs for bs in self.batch_sizes if bs >= num_seqs), None)
+
+    def capture(self) -> None:
+        """Captures every batch size, largest first (smaller graphs reuse the pool's memory)."""
+        self.inputs.fill_padding()
+        for bs in reversed(self.batch_sizes):
+            self.full[bs] = self._capture(lambda bs=bs: self._forward(bs))
+            if self.num_steps > 1:
+                tokens = self.mm.empty((self.num_steps, bs), torch.int64, RUNTIME)
+                self.multi_step[bs] = self._capture(lambda bs=bs, t=tokens: self._steps(bs, t))
+        torch.cuda.synchronize()
+
+    def _capture(self, body: Callable[[], torch.Tensor]) -> CapturedGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up: compile kernels, create cuBLAS handles
+            body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.inputs.fill_padding()  # the warm-up advanced the multi-step inputs
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mm.graph_pool().id):
+            output = body()
+        self.inputs.fill_padding()
+        return CapturedGraph(graph, output)
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        i = self.inputs
+        return AttentionMetadata(
+            slot_mapping=i.slot_mapping[:bs],
+            block_tables=i.block_tables[:bs],
+            seq_lens=i.seq_lens[:bs],
+            query_start_loc=i.query_start_loc[: bs + 1],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        with forward_context(self._meta(bs)):
+            hidden = self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs])
+        return self.model.compute_logits(hidden)
+
+    def _steps(self, bs: int, tokens: torch.Tensor) -> torch.Tensor:
+        i, block_size = self.inputs, self.inputs.block_size
+        ids, positions, slots = i.input_ids[:bs], i.positions[:bs], i.slot_mapping[:bs]
+        seq_lens, tables = i.seq_lens[:bs], i.block_tables[:bs]
+        for step in range(self.num_steps):
+            token = self._forward(bs).argmax(dim=-1)
+            tokens[step].copy_(token)
+            if step + 1 == self.num_steps:
+                break
+            ids.copy_(token)
+            positions.add_(1)
+            seq_lens.add_(1)
+            blocks = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+            slots.copy_(blocks.long() * block_size + positions % block_size)
+        return tokens

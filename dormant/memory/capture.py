@@ -1,0 +1,116 @@
+"""Torch integration (CUDA): capture scopes and sleepable CUDA-graph pools (DESIGN §2.4).
+
+``mm.capture(tag)`` routes every torch allocation made in scope, on this thread, into a
+``torch.cuda.MemPool`` whose allocator is this manager: one pool per (tag, device), backed by a
+pluggable allocator whose malloc/free are ctypes callbacks into ``raw_alloc``/``raw_free``.
+``mm.graph_pool(tag)`` is the same pool, for ``torch.cuda.graph(g, pool=mm.graph_pool().id)``,
+so a graph's private memory sleeps with its tag.
+
+Capture is dangerous by nature: everything allocated in scope inherits the tag, metadata
+included. That is the bug class of DESIGN §2.5, so capture allocations are *undeclared*: the
+audit lists them with their call sites, and strict mode refuses to discard them until
+``declare_backing`` says they are meant to be. Prefer the explicit API (``mm.empty``).
+
+PyTorch pitfalls handled here: pools and allocators are kept alive for the manager's lifetime
+(pytorch#146431); ``expandable_segments`` is switched off inside a scope, since expandable
+segments bypass a pool's allocator (pytorch#147851); ``empty_cache`` does not return a pluggable
+pool's cached blocks (pytorch#145168), so freed capture memory stays in the tag (and sleeps with
+it) until the pool is reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from dormant.memory.errors import MemoryLayerError
+
+_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+_scope = threading.local()
+
+
+def in_capture_scope() -> bool:
+    """Whether this thread is inside ``mm.capture``: torch allocations would come back to us."""
+    return getattr(_scope, "depth", 0) > 0
+
+
+class TagPools:
+    """One MemPool per tag, allocating through ``alloc(nbytes, tag)`` / ``free(address)``."""
+
+    def __init__(self, alloc: Callable[[int, str], int], free: Callable[[int], None]) -> None:
+        self._alloc, self._free = alloc, free
+        self._pools: dict[str, torch.cuda.MemPool] = {}
+        self._keepalive: list[Any] = []  # callbacks and allocators must outlive every tensor
+
+    def pool(self, tag: str) -> torch.cuda.MemPool:
+        if tag not in self._pools:
+            self._pools[tag] = self._make_pool(tag)
+        return self._pools[tag]
+
+    def _make_pool(self, tag: str) -> torch.cuda.MemPool:
+        def on_alloc(nbytes: int, device: int, stream: int) -> int:
+            try:
+                return self._alloc(nbytes, tag)
+            except Exception as error:  # a NULL return makes torch raise its OOM error
+                _report(f"dormant: capture allocation of {nbytes} bytes in {tag!r} failed", error)
+                return 0
+
+        def on_free(address: int, nbytes: int, device: int, stream: int) -> None:
+            try:
+                self._free(address)
+            except Exception as error:
+                _report(f"dormant: capture free of {address:#x} in {tag!r} failed", error)
+
+        alloc_cb, free_cb = _ALLOC(on_alloc), _FREE(on_free)
+        alloc_ptr = ctypes.cast(alloc_cb, ctypes.c_void_p).value
+        free_ptr = ctypes.cast(free_cb, ctypes.c_void_p).value
+        allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
+        pool = torch.cuda.MemPool(allocator)
+        self._keepalive += [alloc_cb, free_cb, allocator, pool]
+        return pool
+
+
+@contextmanager
+def capture_scope(pool: torch.cuda.MemPool) -> Iterator[None]:
+    """Routes this thread's torch allocations into ``pool`` (nestable; exception-safe)."""
+    _scope.depth = getattr(_scope, "depth", 0) + 1
+    try:
+        with _expandable_segments_off(), torch.cuda.use_mem_pool(pool):
+            yield
+    finally:
+        _scope.depth -= 1
+
+
+@contextmanager
+def _expandable_segments_off() -> Iterator[None]:
+    if "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def require_cuda(device: torch.device, what: str) -> None:
+    if device.type != "cuda":
+        raise MemoryLayerError(
+            f"{what} routes torch's CUDA allocations and needs the cuda backend; on the host "
+            "backend use the explicit API (mm.empty / mm.raw_alloc)"
+        )
+
+
+def _report(message: str, error: BaseException) -> None:
+    import sys
+    import traceback
+
+    print(message + ": " + "".join(traceback.format_exception_only(error)).strip(), file=sys.stderr)
