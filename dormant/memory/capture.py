@@ -20,9 +20,11 @@ it) until the pool is reused.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +37,16 @@ _ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctype
 _FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 
 _scope = threading.local()
+_live_tag_pools: weakref.WeakSet[TagPools] = weakref.WeakSet()
+_exiting: list[bool] = []  # a container: callbacks bind it, it survives module teardown
+
+
+@atexit.register
+def _keep_pools_past_exit() -> None:
+    _exiting.append(True)
+    for tag_pools in list(_live_tag_pools):
+        for pool in tag_pools._pools.values():
+            _make_immortal(pool)
 
 
 def in_capture_scope() -> bool:
@@ -43,12 +55,18 @@ def in_capture_scope() -> bool:
 
 
 class TagPools:
-    """One MemPool per tag, allocating through ``alloc(nbytes, tag)`` / ``free(address)``."""
+    """One MemPool per tag, allocating through ``alloc(nbytes, tag)`` / ``free(address)``.
+
+    The callbacks and allocators live as long as the process (a pool may outlive this object
+    while a graph still uses it). The pools themselves are dropped by ``release`` when the manager
+    closes, so their cached memory comes back; any still alive at exit are kept alive instead, so
+    that interpreter teardown never destroys one and calls back into Python.
+    """
 
     def __init__(self, alloc: Callable[[int, str], int], free: Callable[[int], None]) -> None:
         self._alloc, self._free = alloc, free
         self._pools: dict[str, torch.cuda.MemPool] = {}
-        self._keepalive: list[Any] = []  # callbacks and allocators must outlive every tensor
+        _live_tag_pools.add(self)
 
     def pool(self, tag: str) -> torch.cuda.MemPool:
         if tag not in self._pools:
@@ -56,7 +74,11 @@ class TagPools:
         return self._pools[tag]
 
     def _make_pool(self, tag: str) -> torch.cuda.MemPool:
+        exiting = _exiting
+
         def on_alloc(nbytes: int, device: int, stream: int) -> int:
+            if exiting:
+                return 0
             try:
                 return self._alloc(nbytes, tag)
             except Exception as error:  # a NULL return makes torch raise its OOM error
@@ -64,6 +86,8 @@ class TagPools:
                 return 0
 
         def on_free(address: int, nbytes: int, device: int, stream: int) -> None:
+            if exiting:  # the process is ending: its memory goes with it
+                return
             try:
                 self._free(address)
             except Exception as error:
@@ -73,9 +97,15 @@ class TagPools:
         alloc_ptr = ctypes.cast(alloc_cb, ctypes.c_void_p).value
         free_ptr = ctypes.cast(free_cb, ctypes.c_void_p).value
         allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
-        pool = torch.cuda.MemPool(allocator)
-        self._keepalive += [alloc_cb, free_cb, allocator, pool]
-        return pool
+        for obj in (alloc_cb, free_cb, allocator):
+            _make_immortal(obj)
+        return torch.cuda.MemPool(allocator)
+
+    def release(self) -> None:
+        """Drops the pools: each is destroyed (returning its cached memory through ``free``) as
+        soon as no graph or tensor uses it any more."""
+        self._pools.clear()
+        _live_tag_pools.discard(self)
 
 
 @contextmanager
@@ -107,6 +137,14 @@ def require_cuda(device: torch.device, what: str) -> None:
             f"{what} routes torch's CUDA allocations and needs the cuda backend; on the host "
             "backend use the explicit API (mm.empty / mm.raw_alloc)"
         )
+
+
+def _make_immortal(obj: Any) -> None:
+    """Keeps ``obj`` alive until the process ends: allocators and callbacks must outlive every
+    pool, tensor and graph using them (pytorch#146431), and a pool destroyed during interpreter
+    teardown would call back into Python after it is gone (a segfault at exit was seen on the
+    H200 with pools left to teardown; that this is its cause is inferred, not proven)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _report(message: str, error: BaseException) -> None:

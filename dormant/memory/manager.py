@@ -168,9 +168,10 @@ class MemoryManager:
             return self._allocate(max(nbytes, 1), tag, Kind.RAW).address
 
     def raw_free(self, address: int) -> None:
-        """Frees memory from ``raw_alloc``; legal while its tag sleeps."""
-        with self._op():
-            self._table.free(self._table.raw_block(address))
+        """Frees memory from ``raw_alloc``; legal while its tag sleeps, and after ``close``
+        (a capture pool returns its memory when its last user dies)."""
+        with self._serial.held():
+            self._free_block(self._table.raw_block(address))
 
     def declare_backing(self, memory: torch.Tensor | int) -> None:
         """Marks the block holding ``memory`` (a tensor, or an address from ``raw_alloc``) as
@@ -318,6 +319,7 @@ class MemoryManager:
             self._is_closed = True
             if self._table.is_empty:
                 self.arena.release()
+        self._tag_pools.release()  # pools die (and free through raw_free) once unused
         self._finalizer()
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────

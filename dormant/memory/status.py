@@ -62,7 +62,8 @@ class WakeReport:
 
     @property
     def copy_gbps(self) -> float:
-        return gbps(self.bytes_copied, self.copy_s)
+        """Copy bandwidth over the whole wake (the copies run under the mapping)."""
+        return gbps(self.bytes_copied, self.total_s)
 
 
 @dataclass(frozen=True)

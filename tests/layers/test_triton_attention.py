@@ -17,7 +17,7 @@ def test_decode_kernel_matches_the_reference(cache_dtype, num_heads, num_kv_head
     from dormant.layers.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
-    head_dim, block_size, num_blocks = 128, 16, 64
+    head_dim, block_size, num_blocks = 128, 16, 128
     seq_lens = torch.tensor([1, 17, 100, 333, 16], dtype=torch.int32)
     num_seqs = len(seq_lens)
     tables = torch.randperm(num_blocks - 1)[: num_seqs * 22].view(num_seqs, 22).int()

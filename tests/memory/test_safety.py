@@ -125,3 +125,13 @@ def test_capture_needs_the_cuda_backend() -> None:
             mm.graph_pool()
     finally:
         mm.close()
+
+
+def test_raw_free_after_close_returns_the_memory() -> None:
+    """A capture pool gives its memory back when its last user dies, which can be after the
+    manager closed: raw_free must still work then."""
+    mm = MemoryManager("host")
+    address = mm.raw_alloc(4 << 20, "cuda_graph")
+    mm.close()
+    mm.raw_free(address)
+    assert mm.backend.used_bytes == 0
