@@ -28,11 +28,13 @@ fi
 if [[ $stage == bench || $stage == all ]]; then
   python3 benchmarks/decode.py --out "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/sleep_wake.py --cycles 4 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
-  status=$((status | PIPESTATUS[0]))
 fi
 if [[ $stage == demo || $stage == all ]]; then
   python3 -m dormant.cli demo --png "$OUT/demo-timeline.png" 2>&1 | tee "$OUT/demo.log"
+  status=$((status | PIPESTATUS[0]))
+fi
+if [[ $stage == bench || $stage == all ]]; then
+  python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
