@@ -187,8 +187,10 @@ class PagedAttention(nn.Module):
 
 
 def _use_triton_decode(cache: Tensor, meta: AttentionMetadata) -> bool:
-    """Decode steps on a GPU use the Triton kernel; prefill and CPU use the reference."""
-    return cache.is_cuda and meta.max_query_len == 1 and _HAS_TRITON
+    """Decode steps on a GPU use the Triton kernel (its tensor-core products need blocks of at
+    least 16 slots); prefill, small blocks and the CPU use the reference."""
+    block_size = cache.shape[2]
+    return cache.is_cuda and meta.max_query_len == 1 and block_size >= 16 and _HAS_TRITON
 
 
 try:
