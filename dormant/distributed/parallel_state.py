@@ -132,3 +132,13 @@ def use_tp_group(group: TPGroup) -> Iterator[TPGroup]:
         yield group
     finally:
         init_tp_group(previous)
+
+
+def all_reduce_min(value: int) -> int:
+    """The minimum of ``value`` over every rank of the default group (``value`` without one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

@@ -20,6 +20,7 @@ class Command(enum.Enum):
     RELOAD_WEIGHTS = "reload_weights"
     UPDATE_WEIGHTS = "update_weights"
     MEMORY_STATUS = "memory_status"
+    KV_CACHE_SCALES = "kv_cache_scales"
     AUDIT = "audit"
     VERIFY_GUARDS = "verify_guards"
     CHECK_HEALTH = "check_health"
@@ -37,6 +38,7 @@ PUBLIC_RPC: dict[str, Command] = {
         Command.RELOAD_WEIGHTS,
         Command.UPDATE_WEIGHTS,
         Command.MEMORY_STATUS,
+        Command.KV_CACHE_SCALES,
         Command.AUDIT,
         Command.VERIFY_GUARDS,
         Command.CHECK_HEALTH,

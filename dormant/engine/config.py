@@ -46,6 +46,9 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... max_num_seqs
     cuda_graph_multi_steps: int = 4  # steps of the fused multi-step graph; < 2 captures none
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = (
+        None  # "mp" (default for TP > 1) or "external_launcher"
+    )
     memory_poison: bool = False  # debug: fill discarded memory with 0xFF on wake
     memory_strict: bool = False  # refuse to discard undeclared allocations
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -95,6 +98,11 @@ class EngineConfig:
         for name in ("block_size", "max_model_len", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or 'external_launcher', got "
+                f"{self.distributed_executor_backend!r}"
+            )
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's "

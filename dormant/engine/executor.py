@@ -42,6 +42,13 @@ class UniprocExecutor:
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    """In-process for one rank; one process per rank ("mp"); or this process as one rank of a
+    ``torchrun`` launch ("external_launcher")."""
+    backend = config.distributed_executor_backend
+    if backend == "external_launcher":
+        from dormant.distributed.executor import ExternalLauncherExecutor
+
+        return ExternalLauncherExecutor(config)
     if config.tensor_parallel_size == 1:
         return UniprocExecutor(config)
     from dormant.distributed.executor import MultiprocExecutor

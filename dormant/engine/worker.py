@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dormant.distributed.parallel_state import all_reduce_min
 from dormant.engine.commands import Command
 from dormant.engine.config import EngineConfig
 from dormant.engine.errors import EngineAsleepError
@@ -50,6 +51,7 @@ class Worker:
             Command.RELOAD_WEIGHTS: self.reload_weights,
             Command.UPDATE_WEIGHTS: self.update_weights,
             Command.MEMORY_STATUS: self.memory_status,
+            Command.KV_CACHE_SCALES: self.kv_cache_scales,
             Command.AUDIT: self.audit,
             Command.VERIFY_GUARDS: self.verify_guards,
             Command.CHECK_HEALTH: self.check_health,
@@ -87,6 +89,10 @@ class Worker:
         return tuple(model.expected_weight_shapes())
 
     def num_available_blocks(self) -> int:
+        """KV blocks that fit on this device, all-reduced MIN over the ranks (DESIGN §3 inv. 6)."""
+        return all_reduce_min(self._local_num_blocks())
+
+    def _local_num_blocks(self) -> int:
         spec = kv_cache_spec(self.model, self.config)
         config = self.config
         if config.num_gpu_blocks_override is not None:
@@ -143,6 +149,11 @@ class Worker:
         items = list(weights)
         self.model.check_weights([(name, t.shape, t.dtype) for name, t in items], exact_dtype=True)
         return tuple(sorted(self.model.load_weights(items)))
+
+    def kv_cache_scales(self) -> list[tuple[float, float]]:
+        """Every attention layer's (k_scale, v_scale): calibrated state that must survive sleep."""
+        layers = self.model.attention_layers()
+        return [(float(a.k_scale), float(a.v_scale)) for a in layers]
 
     def memory_status(self) -> MemoryStatus:
         return self.mm.status()

@@ -1,0 +1,151 @@
+"""Executors for tensor parallelism on one host.
+
+``MultiprocExecutor`` starts one worker process per rank (spawned, on a free port), sends each
+the same typed command, and gathers the results in rank order; it doubles as a barrier. A worker
+that dies or stops answering makes every later call raise ``EngineDeadError`` and shuts the
+others down. ``ExternalLauncherExecutor`` is for ``torchrun``: the process is one rank and every
+rank runs the same engine loop in lockstep (scheduling and sampling are deterministic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from dormant.distributed.worker_process import init_distributed, worker_main
+from dormant.engine.commands import Command
+from dormant.engine.config import EngineConfig
+from dormant.engine.errors import EngineDeadError
+from dormant.engine.step_input import StepInput
+from dormant.engine.worker import Worker
+
+STARTUP_TIMEOUT_S = 600.0
+COMMAND_TIMEOUT_S = 1800.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, init_method: str | None = None) -> None:
+        self.world_size = config.tensor_parallel_size
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        context = mp.get_context("spawn")
+        self.processes: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._is_dead = False
+        for rank in range(self.world_size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=worker_main,
+                args=(rank, self.world_size, config, init_method, child_end, os.getpid()),
+                name=f"dormant-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self.processes.append(process)
+            self._conns.append(parent_end)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
+        self.pids = self._gather(STARTUP_TIMEOUT_S)
+
+    def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
+        if self._is_dead:
+            raise EngineDeadError("the engine's workers are gone; create a new engine")
+        for conn in self._conns:
+            try:
+                conn.send((command, args, kwargs))
+            except (BrokenPipeError, OSError) as error:
+                self._die(f"a worker stopped answering ({error})")
+        return self._gather(COMMAND_TIMEOUT_S)
+
+    def execute(self, step: StepInput) -> list[int]:
+        return self.run(Command.EXECUTE, step)[0]  # every rank sampled the same tokens
+
+    def shutdown(self) -> None:
+        if not self._is_dead:
+            self._is_dead = True
+            self._finalizer()
+
+    def _gather(self, timeout: float) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = dict(enumerate(self._conns))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        while pending:
+            ready = wait([*pending.values(), *sentinels], timeout=timeout)
+            if not ready:
+                self._die(f"no answer from ranks {sorted(pending)} in {timeout:.0f} s")
+            for item in ready:
+                if item in sentinels:
+                    rank = sentinels[item]
+                    if rank in pending and not pending[rank].poll():
+                        code = self.processes[rank].exitcode
+                        self._die(f"worker rank {rank} died (exit code {code})")
+                    continue
+                rank = next(r for r, c in pending.items() if c is item)
+                try:
+                    status, value = item.recv()
+                except EOFError:
+                    self._die(f"worker rank {rank} closed its pipe")
+                del pending[rank]
+                results[rank] = (status, value)
+        for status, value in results:
+            if status == "error":
+                raise value
+        return [value for _, value in results]
+
+    def _die(self, reason: str) -> None:
+        self.shutdown()
+        raise EngineDeadError(f"{reason}; every worker was shut down. Create a new engine.")
+
+
+def _stop(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
+    """Asks every live worker to shut down, then makes sure none is left."""
+    for process, conn in zip(processes, conns, strict=True):
+        if process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send((Command.SHUTDOWN, (), {}))
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    for conn in conns:
+        conn.close()
+
+
+class ExternalLauncherExecutor:
+    """One rank of an engine started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+
+    world_size = 1  # the ranks this process talks to: itself
+
+    def __init__(self, config: EngineConfig) -> None:
+        world_size = int(os.environ["WORLD_SIZE"])
+        if world_size != config.tensor_parallel_size:
+            raise ValueError(
+                f"torchrun started {world_size} processes but tensor_parallel_size is "
+                f"{config.tensor_parallel_size}"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        init_distributed(int(os.environ["RANK"]), world_size, "env://", on_gpu)
+        self.worker = Worker(config, local_rank, world_size)
+
+    def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self.worker.handle(command, *args, **kwargs)]
+
+    def execute(self, step: StepInput) -> list[int]:
+        return self.worker.execute(step)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

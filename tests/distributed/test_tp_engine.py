@@ -1,0 +1,213 @@
+"""Tensor parallelism on the CPU (gloo, TP=2): the engine's outputs and its lifecycle equal TP=1,
+a dead worker fails loudly, and no worker outlives its engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dormant import LLM, SamplingParams
+from dormant.distributed.executor import free_port
+from dormant.engine import EngineDeadError
+from tests.engine.conftest import GREEDY, PROMPTS, SEEDED, hf_state_dict, write_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIONS = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
+KEEP = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[int, ...]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return (
+        write_checkpoint(tmp_path_factory.mktemp("tp_a"), seed=1),
+        write_checkpoint(tmp_path_factory.mktemp("tp_b"), seed=2),
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints) -> dict[str, list]:
+    """What one rank produces: the reference for every TP=2 result."""
+    a, b = checkpoints
+    with LLM(str(a), **OPTIONS) as llm:
+        result = {"greedy": tokens(llm), "seeded": tokens(llm, SEEDED)}
+        engine = llm.llm_engine
+        ids = [engine.add_request(p, KEEP) for p in PROMPTS]
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step()})
+        result["keep"] = [outs[str(i)].outputs[0].token_ids for i in ids]
+    with LLM(str(b), **OPTIONS) as llm:
+        result["greedy_b"] = tokens(llm)
+    return result
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints) -> Iterator[LLM]:
+    llm = LLM(str(checkpoints[0]), tensor_parallel_size=2, **OPTIONS)
+    yield llm
+    llm.shutdown()
+
+
+def test_tp2_outputs_equal_tp1(tp2: LLM, expected) -> None:
+    assert tp2.llm_engine.executor.world_size == 2
+    assert tokens(tp2) == expected["greedy"]
+    assert tokens(tp2, SEEDED) == expected["seeded"]
+    assert tp2.collective_rpc("check_health") == [True, True]
+
+
+def test_tp2_level_1_cycle(tp2: LLM, expected) -> None:
+    tp2.sleep(level=1)
+    statuses = tp2.memory_status()
+    assert len(statuses) == 2
+    assert all(s.tag("weights").state == "offloaded" for s in statuses)
+    assert all(s.tag("kv_cache").mapped_bytes == 0 for s in statuses)
+    tp2.wake_up()
+    assert tokens(tp2) == expected["greedy"]
+
+
+def test_tp2_level_2_reload(tp2: LLM, expected) -> None:
+    tp2.sleep(level=2)
+    tp2.wake_up(["weights"])
+    tp2.collective_rpc("reload_weights")
+    tp2.wake_up(["kv_cache"])
+    assert tokens(tp2) == expected["greedy"]
+
+
+def test_tp2_level_2_update_weights(tp2: LLM, expected, checkpoints) -> None:
+    tp2.sleep(level=2)
+    tp2.wake_up(["weights"])
+    tp2.update_weights(hf_state_dict(2))  # every rank takes its shard of the full tensors
+    tp2.wake_up(["kv_cache"])
+    assert tokens(tp2) == expected["greedy_b"]
+    tp2.reload_weights()  # back to the checkpoint, for the tests that follow
+    assert tokens(tp2) == expected["greedy"]
+
+
+def test_tp2_keep_mode_resumes(tp2: LLM, expected) -> None:
+    engine = tp2.llm_engine
+    ids = [engine.add_request(p, KEEP) for p in PROMPTS]
+    outs = {}
+    for _ in range(4):
+        outs.update({o.request_id: o for o in engine.step()})
+    engine.sleep(level=1, mode="keep")
+    tp2.wake_up()
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert [outs[str(i)].outputs[0].token_ids for i in ids] == expected["keep"]
+
+
+def test_tp2_fp8_scales_survive_level_2(checkpoints, tmp_path: Path) -> None:
+    scales = {
+        f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(v)
+        for i in range(2)
+        for n, v in (("k", 0.5), ("v", 0.25))
+    }
+    path = write_checkpoint(tmp_path / "fp8", seed=1, extra=scales)
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_dtype="fp8", **OPTIONS) as llm:
+        assert llm.collective_rpc("kv_cache_scales") == [[(0.5, 0.25)] * 2] * 2
+        before = tokens(llm)
+        llm.sleep(level=2)
+        llm.wake_up(["weights"])
+        llm.update_weights(hf_state_dict(1))  # parameters only: the scales are not refit
+        llm.wake_up(["kv_cache"])
+        assert llm.collective_rpc("kv_cache_scales") == [[(0.5, 0.25)] * 2] * 2
+        assert tokens(llm) == before
+
+
+def test_killed_worker_raises_and_shuts_the_others_down(checkpoints) -> None:
+    llm = LLM(str(checkpoints[0]), tensor_parallel_size=2, **OPTIONS)
+    executor = llm.llm_engine.executor
+    os.kill(executor.pids[1], signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        llm.generate(PROMPTS, GREEDY)
+    assert not any(p.is_alive() for p in executor.processes)
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS, GREEDY)
+    llm.shutdown()
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_no_worker_outlives_a_killed_parent(checkpoints, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids.json"
+    script = textwrap.dedent(f"""
+        import json, time
+        from dormant import LLM
+        llm = LLM({str(checkpoints[0])!r}, tensor_parallel_size=2, **{OPTIONS!r})
+        open({str(pid_file)!r}, "w").write(json.dumps(llm.llm_engine.executor.pids))
+        time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.monotonic() + 180
+    while not pid_file.exists() and time.monotonic() < deadline and parent.poll() is None:
+        time.sleep(0.2)
+    assert pid_file.exists(), "the engine did not start"
+    pids = json.loads(pid_file.read_text())
+    assert not any(_is_gone(pid) for pid in pids)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while not all(_is_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_is_gone(pid) for pid in pids)
+
+
+def test_external_launcher_under_torchrun(checkpoints, expected, tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import json, os, sys
+        from dormant import LLM
+        from tests.engine.conftest import GREEDY, PROMPTS
+        backend = "external_launcher"
+        llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend=backend,
+                  **{OPTIONS!r})
+        first = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+        llm.sleep(level=2)
+        llm.wake_up(["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(["kv_cache"])
+        second = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+        with open(os.path.join(sys.argv[2], "rank" + os.environ["RANK"] + ".json"), "w") as f:
+            json.dump([first, second], f)
+        llm.shutdown()
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(checkpoints[0]),
+        str(tmp_path),
+    ]
+    subprocess.run(command, env=env, check=True, timeout=600, cwd=REPO)
+    want = [list(t) for t in expected["greedy"]]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [want, want]
