@@ -63,14 +63,24 @@ _live_lock = threading.Lock()
 
 
 _exiting: list[bool] = []
+# A C function that ignores its argument: the deleter of every storage still alive at exit.
+_NO_OP = ctypes.cast(ctypes.cast(ctypes.CDLL(None).getpid, ctypes.c_void_p), _DELETER)
 
 
 @atexit.register
-def _mark_exiting() -> None:
-    # Registered after torch's own exit handlers (torch is imported first), so it runs before
-    # them: from here on, frees are left to the process's exit (no driver calls into a context
-    # that is being torn down).
+def _detach_at_exit() -> None:
+    """From here on, frees are left to the process's exit.
+
+    Registered after torch's own exit handlers (torch is imported first), so it runs before
+    them. Storages still alive are freed by the interpreter's last garbage collection, when
+    calling back into Python segfaults (seen in CI): their deleters become a C no-op, and the
+    structs torch will read stay alive.
+    """
     _exiting.append(True)
+    with _live_lock:
+        for managed, _, _ in _live.values():
+            managed.deleter = _NO_OP
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_live))
 
 
 def _make_deleter() -> Callable[..., None]:
