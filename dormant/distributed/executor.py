@@ -95,8 +95,8 @@ class MultiprocExecutor:
                 rank = next(r for r, c in pending.items() if c is item)
                 try:
                     status, value = item.recv()
-                except EOFError:
-                    self._die(f"worker rank {rank} closed its pipe")
+                except (EOFError, OSError) as error:  # closed, or reset by a dying worker
+                    self._die(f"worker rank {rank} is gone ({type(error).__name__})")
                 del pending[rank]
                 results[rank] = (status, value)
         for status, value in results:

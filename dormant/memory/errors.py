@@ -43,6 +43,10 @@ class OutOfMemoryError(MemoryLayerError):
         self.bytes_requested = bytes_requested
         self.bytes_free = bytes_free
 
+    def __reduce__(self) -> tuple[type, tuple[str, int, int]]:
+        # Travels back from a tensor-parallel worker as itself.
+        return type(self), (str(self), self.bytes_requested, self.bytes_free)
+
 
 class WakeOutOfMemoryError(OutOfMemoryError):
     """Wake could not map everything; it rolled back and the states are unchanged."""

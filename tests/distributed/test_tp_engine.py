@@ -211,3 +211,39 @@ def test_external_launcher_under_torchrun(checkpoints, expected, tmp_path: Path)
     want = [list(t) for t in expected["greedy"]]
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [want, want]
+
+
+def test_tp2_bad_calls_raise_typed_errors_from_the_workers(tp2: LLM, expected) -> None:
+    from dormant.engine import WeightsNotLoadedError
+    from dormant.memory import UnknownTagError
+    from dormant.models import WeightError
+
+    bad = hf_state_dict(2)
+    bad["model.norm.weight"] = torch.ones(65)
+    with pytest.raises(WeightError, match=r"model\.norm\.weight"):  # raised in the workers
+        tp2.update_weights(bad)
+    with pytest.raises(UnknownTagError, match="kv_cahce"):
+        tp2.wake_up(["kv_cahce"])
+    tp2.sleep(level=2)
+    tp2.wake_up()
+    with pytest.raises(WeightsNotLoadedError):
+        tp2.generate(PROMPTS, GREEDY)
+    tp2.reload_weights()
+    assert tokens(tp2) == expected["greedy"]
+
+
+def test_typed_errors_survive_pickling() -> None:
+    """Regression: errors with extra constructor arguments came back from a worker as
+    RemoteError, not as themselves."""
+    import pickle
+
+    from dormant.memory import WakeOutOfMemoryError
+    from dormant.models import WeightError
+
+    weight = pickle.loads(pickle.dumps(WeightError(["a: wrong shape"], "nothing written")))
+    assert isinstance(weight, WeightError) and weight.problems == ("a: wrong shape",)
+    oom = pickle.loads(pickle.dumps(WakeOutOfMemoryError("no room", 10, 3)))
+    assert isinstance(oom, WakeOutOfMemoryError) and (oom.bytes_requested, oom.bytes_free) == (
+        10,
+        3,
+    )
