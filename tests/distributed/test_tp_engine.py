@@ -247,3 +247,26 @@ def test_typed_errors_survive_pickling() -> None:
         10,
         3,
     )
+
+
+def test_tp2_poison_mode_and_abort_and_wait(checkpoints, expected) -> None:
+    with LLM(str(checkpoints[0]), tensor_parallel_size=2, memory_poison=True, **OPTIONS) as llm:
+        for level in (1, 2):
+            llm.sleep(level=level)
+            llm.wake_up(["weights"])
+            if level == 2:
+                llm.reload_weights()
+            llm.wake_up(["kv_cache"])
+            assert tokens(llm) == expected["greedy"]
+        engine = llm.llm_engine
+        ids = [engine.add_request(p, KEEP) for p in PROMPTS]
+        engine.step()
+        aborted = engine.sleep(level=1, mode="abort")
+        assert sorted(o.request_id for o in aborted) == sorted(str(i) for i in ids)
+        assert all(o.outputs[0].finish_reason == "abort" for o in aborted)
+        llm.wake_up()
+        ids = [engine.add_request(p, KEEP) for p in PROMPTS]
+        engine.step()
+        drained = {o.request_id: o for o in engine.sleep(level=1, mode="wait")}
+        assert [drained[str(i)].outputs[0].token_ids for i in ids] == expected["keep"]
+        llm.wake_up()
