@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import GiB, MiB, Recorder, environment
 from dormant.memory import libc
 from dormant.memory.cuda_backend import CudaBackend
+from dormant.memory.cuda_hash import _fmix32
 
 
 def clock(fn) -> float:
@@ -107,16 +108,6 @@ def probe_arena(rec: Recorder, backend: CudaBackend) -> None:
         for address in addresses + both:
             backend.unpin(address, chunk)
             libc.munmap(address, chunk)
-
-
-@triton.jit
-def _fmix32(h):
-    h ^= h >> 16
-    h *= 0x85EBCA6B
-    h ^= h >> 13
-    h *= 0xC2B2AE35
-    h ^= h >> 16
-    return h
 
 
 @triton.jit
