@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from dormant.layers.context import AttentionMetadata, get_attention_metadata
+from dormant.layers.kernels import IS_TRITON_AVAILABLE, is_power_of_two, use_triton
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -164,7 +165,8 @@ class PagedAttention(nn.Module):
         cache = self._checked_cache()
         num_tokens = q.shape[0]
         kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(
+        write = triton_write_kv_cache if _use_triton_write(cache) else write_kv_cache
+        write(
             cache,
             k.reshape(kv_shape),
             v.reshape(kv_shape),
@@ -186,16 +188,17 @@ class PagedAttention(nn.Module):
         )
 
 
+def _use_triton_write(cache: Tensor) -> bool:
+    return use_triton(cache) and is_power_of_two(cache.shape[-1]) and cache.is_contiguous()
+
+
 def _use_triton_decode(cache: Tensor, meta: AttentionMetadata) -> bool:
     """Decode steps on a GPU use the Triton kernel (its tensor-core products need blocks of at
     least 16 slots); prefill, small blocks and the CPU use the reference."""
     block_size = cache.shape[2]
-    return cache.is_cuda and meta.max_query_len == 1 and block_size >= 16 and _HAS_TRITON
+    return use_triton(cache) and meta.max_query_len == 1 and block_size >= 16
 
 
-try:
+if IS_TRITON_AVAILABLE:  # else (CPU-only installs) the reference serves every step
     from dormant.layers.triton_attention import paged_decode_attention
-
-    _HAS_TRITON = True
-except ImportError:  # CPU-only installs: the reference serves every step
-    _HAS_TRITON = False
+    from dormant.layers.triton_kv_cache import write_kv_cache as triton_write_kv_cache

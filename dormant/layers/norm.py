@@ -1,9 +1,15 @@
-"""RMSNorm with the exact arithmetic of Hugging Face Llama/Qwen3."""
+"""RMSNorm with the exact arithmetic of Hugging Face Llama/Qwen3 (on the GPU, one fused Triton
+kernel with the same rounding points: ``dormant.layers.triton_norm``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from dormant.layers.kernels import IS_TRITON_AVAILABLE, use_triton
+
+if IS_TRITON_AVAILABLE:
+    from dormant.layers.triton_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +23,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalises over the last dimension; any leading shape."""
+        if use_triton(x):
+            return rms_norm(x, self.weight, self.eps)[0]
         input_dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -27,6 +35,10 @@ class RMSNorm(nn.Module):
 
         Returns ``(normalised, new_residual)`` where ``new_residual = x + residual``.
         """
+        if use_triton(x):
+            normed, new_residual = rms_norm(x, self.weight, self.eps, residual)
+            assert new_residual is not None
+            return normed, new_residual
         residual = x + residual
         return self(residual), residual
 

@@ -9,10 +9,14 @@ from torch import Tensor, nn
 from dormant.layers.activation import SiluAndMul
 from dormant.layers.attention import PagedAttention
 from dormant.layers.embedding import VocabParallelEmbedding
+from dormant.layers.kernels import IS_TRITON_AVAILABLE, is_power_of_two, use_triton
 from dormant.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from dormant.layers.norm import RMSNorm
 from dormant.layers.rotary import RotaryEmbedding
 from dormant.models.config import ModelConfig
+
+if IS_TRITON_AVAILABLE:
+    from dormant.layers.triton_rotary import rotate_qk_
 
 
 @dataclass(frozen=True)
@@ -63,14 +67,26 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: Tensor, hidden_states: Tensor) -> Tensor:
         qkv = self.qkv_proj(hidden_states)
+        q, k, v = self._normed_rotated_qkv(positions, qkv)
+        return self.o_proj(self.attn(q, k, v))
+
+    def _normed_rotated_qkv(self, positions: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        head_dim = self.qkv_proj.head_dim
+        if use_triton(qkv) and is_power_of_two(head_dim):  # one kernel for norms and rotary
+            norm = None
+            if self.q_norm is not None and self.k_norm is not None:
+                norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            num_heads = (self.qkv_proj.local_num_heads, self.qkv_proj.local_num_kv_heads)
+            rotate_qk_(qkv, positions, self.rotary_emb.cos_sin_cache, *num_heads, head_dim, norm)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return q, k, v
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            head_dim = self.qkv_proj.head_dim
             q = self.q_norm(q.reshape(-1, q_size // head_dim, head_dim))
             k = self.k_norm(k.reshape(-1, kv_size // head_dim, head_dim))
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
 
 
 class DecoderMLP(nn.Module):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -161,3 +164,77 @@ def test_graph_pool_sleeps_and_the_graph_replays_without_recapture(
     print(f"graph pool: {pool_bytes / MiB:.1f} MiB freed by sleep")
     del graph, y
     gc.collect()
+
+
+def test_memory_freed_after_the_scope_stays_in_the_tag(mm: MemoryManager) -> None:
+    """A capture tensor freed outside its scope goes back to the tag's pool, not to torch's
+    default pool: it keeps sleeping with the tag and is reused by the next capture."""
+    with mm.capture("workspace"):
+        first = torch.ones(8 * MiB, dtype=torch.uint8, device="cuda")
+    address = first.data_ptr()
+    reserved = mm.status().tag("workspace").reserved_bytes
+    del first  # outside any scope
+    torch.cuda.synchronize()
+    assert mm.status().tag("workspace").reserved_bytes == reserved  # cached in the pool
+    ordinary = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    assert ordinary.data_ptr() != address  # the default pool never hands it out
+    with mm.capture("workspace"):
+        again = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+    assert again.data_ptr() == address  # reused, with no new allocation
+    assert mm.status().tag("workspace").reserved_bytes == reserved
+    del again
+    mm.sleep(level=1)  # the cached block sleeps with the tag (workspace: DISCARD)
+    assert mm.status().tag("workspace").mapped_bytes == 0
+    mm.wake_up()
+    assert mm.status().tag("workspace").mapped_bytes == reserved
+    del ordinary
+
+
+EXPANDABLE_PROBE = """
+import torch
+from dormant.memory import MemoryManager
+
+MiB = 1 << 20
+
+def segment_of(tensor):
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= tensor.data_ptr() < segment["address"] + segment["total_size"]:
+            return segment
+    return None
+
+mm = MemoryManager("cuda")
+before = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+assert segment_of(before)["is_expandable"], "expandable segments are on outside the scope"
+with mm.capture("workspace"):
+    inside = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    with mm.capture("runtime"):
+        nested = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+try:
+    with mm.capture("workspace"):
+        raise RuntimeError("boom")
+except RuntimeError:
+    pass
+after = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+records = mm.audit(["workspace", "runtime"]).records
+assert any(r.tag == "workspace" and r.contains(inside.data_ptr()) for r in records), records
+assert any(r.tag == "runtime" and r.contains(nested.data_ptr()) for r in records), records
+assert segment_of(inside) is None or not segment_of(inside)["is_expandable"]
+assert segment_of(after)["is_expandable"], "the setting is restored after the scopes"
+assert not any(r.contains(after.data_ptr()) for r in records)
+mm.sleep(level=1)
+assert mm.status().tag("workspace").mapped_bytes == 0
+mm.wake_up()
+print("expandable probe: ok")
+"""
+
+
+def test_capture_under_expandable_segments() -> None:
+    """pytorch#147851: with ``expandable_segments:True`` a scope still routes into the tag, and
+    the setting is back on outside (also after nesting and an exception). The allocator reads
+    PYTORCH_CUDA_ALLOC_CONF once, so this runs in a fresh process."""
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    result = subprocess.run(
+        [sys.executable, "-c", EXPANDABLE_PROBE], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "expandable probe: ok" in result.stdout
