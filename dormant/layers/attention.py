@@ -13,6 +13,8 @@ checked against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -175,9 +177,7 @@ class PagedAttention(nn.Module):
             self.v_scale,
         )
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        attend = (
-            paged_decode_attention if _use_triton_decode(cache, meta) else paged_attention_reference
-        )
+        attend = _attention_kernel(cache, meta)
         out = attend(query, cache, meta, self.scale, self.k_scale, self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
@@ -192,13 +192,19 @@ def _use_triton_write(cache: Tensor) -> bool:
     return use_triton(cache) and is_power_of_two(cache.shape[-1]) and cache.is_contiguous()
 
 
-def _use_triton_decode(cache: Tensor, meta: AttentionMetadata) -> bool:
-    """Decode steps on a GPU use the Triton kernel (its tensor-core products need blocks of at
-    least 16 slots); prefill, small blocks and the CPU use the reference."""
-    block_size = cache.shape[2]
-    return use_triton(cache) and meta.max_query_len == 1 and block_size >= 16
+def _attention_kernel(cache: Tensor, meta: AttentionMetadata) -> Callable[..., Tensor]:
+    """On a GPU: the Triton decode kernel for decode steps (its tensor-core products need
+    blocks of at least 16 slots), the Triton prefill kernel for everything else. The CPU, and
+    heads that are not a power of two of at least 16, use the reference."""
+    block_size, head_dim = cache.shape[2], cache.shape[-1]
+    if not use_triton(cache) or head_dim < 16 or not is_power_of_two(head_dim):
+        return paged_attention_reference
+    if meta.max_query_len == 1 and block_size >= 16:
+        return paged_decode_attention
+    return paged_prefill_attention
 
 
 if IS_TRITON_AVAILABLE:  # else (CPU-only installs) the reference serves every step
     from dormant.layers.triton_attention import paged_decode_attention
     from dormant.layers.triton_kv_cache import write_kv_cache as triton_write_kv_cache
+    from dormant.layers.triton_prefill import paged_prefill_attention
