@@ -7,6 +7,7 @@ sleep/wake timings per tag.
 - per-tag sleep (level 1) and wake timings of the engine, against the pinned-copy limit.
 
 Usage: python benchmarks/decode.py [--out results.jsonl]
+(``DORMANT_TRITON=0`` runs every layer's torch reference instead of the Triton kernels.)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import GiB, Recorder, environment, table
 from dormant import LLM, SamplingParams
 from dormant.engine.step_input import SeqInput, StepInput
+from dormant.layers.kernels import IS_TRITON_ENABLED
 from dormant.models import ModelConfig
 
 QWEN3_8B_LIKE = {
@@ -72,7 +74,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rec = Recorder(args.out)
-    rec.emit(case="environment", **environment())
+    rec.emit(case="environment", triton_kernels=IS_TRITON_ENABLED, **environment())
     bandwidth = device_copy_bandwidth()
     config = ModelConfig.from_dict(QWEN3_8B_LIKE)
     start = time.perf_counter()

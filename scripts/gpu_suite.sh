@@ -28,6 +28,11 @@ fi
 if [[ $stage == bench || $stage == all ]]; then
   python3 benchmarks/decode.py --out "$OUT/decode.jsonl" 2>&1 | tee "$OUT/decode.log"
   status=$((status | PIPESTATUS[0]))
+  for kernels in triton torch; do  # the fused kernels against the torch reference
+    DORMANT_TRITON=$([[ $kernels == triton ]] && echo 1 || echo 0) python3 \
+      benchmarks/decode_profile.py --out "$OUT/decode-profile.jsonl" 2>&1 | tee -a "$OUT/decode-profile.log"
+    status=$((status | PIPESTATUS[0]))
+  done
 fi
 if [[ $stage == demo || $stage == all ]]; then
   python3 -m dormant.cli demo --png "$OUT/demo-timeline.png" 2>&1 | tee "$OUT/demo.log"

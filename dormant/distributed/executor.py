@@ -72,6 +72,9 @@ class MultiprocExecutor:
     def execute(self, step: StepInput) -> list[int]:
         return self.run(Command.EXECUTE, step)[0]  # every rank sampled the same tokens
 
+    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+        return self.run(Command.EXECUTE_MULTI_STEP, step)[0]
+
     def shutdown(self) -> None:
         if not self._is_dead:
             self._is_dead = True
@@ -146,6 +149,9 @@ class ExternalLauncherExecutor:
 
     def execute(self, step: StepInput) -> list[int]:
         return self.worker.execute(step)
+
+    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+        return self.worker.execute_multi_step(step)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

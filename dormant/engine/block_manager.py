@@ -73,25 +73,33 @@ class BlockManager:
             )
         self._take_blocks(seq, self.num_blocks_for(seq.num_tokens))
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the table of ``seq`` can grow to cover all of its ``num_tokens`` tokens.
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        """Whether the table of ``seq`` can grow to cover ``num_tokens + num_lookahead``
+        tokens.
 
         Called before a decode step, after the previous step appended one token whose KV
         the step will write: a new block is needed only when the earlier tokens filled
-        the last block exactly.
+        the last block exactly. A multi-step decode writes ``num_lookahead`` more.
         """
-        return self._num_missing_blocks(seq) <= len(self._free_block_ids)
+        return self.num_missing_blocks(seq, num_lookahead) <= len(self._free_block_ids)
 
-    def append_block_if_needed(self, seq: Sequence) -> None:
-        """Grow the table of an allocated ``seq`` to cover all of its ``num_tokens`` tokens.
+    def append_block_if_needed(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """Grow the table of an allocated ``seq`` to cover ``num_tokens + num_lookahead``
+        tokens.
 
         Preconditions: ``seq`` holds blocks (else ``BlockOwnershipError``) and
-        ``can_append(seq)`` (else ``OutOfBlocksError``; nothing changes).
-        Postcondition: ``len(seq.block_table) >= num_blocks_for(seq.num_tokens)``.
+        ``can_append(seq, num_lookahead)`` (else ``OutOfBlocksError``; nothing changes).
+        Postcondition: ``len(seq.block_table) >= num_blocks_for(seq.num_tokens +
+        num_lookahead)``.
         """
         if not seq.block_table:
             raise BlockOwnershipError(f"{seq!r} holds no blocks; allocate it first")
-        self._take_blocks(seq, self._num_missing_blocks(seq))
+        self._take_blocks(seq, self.num_missing_blocks(seq, num_lookahead))
+
+    def num_missing_blocks(self, seq: Sequence, num_lookahead: int = 0) -> int:
+        """Blocks ``seq`` lacks to cover ``num_tokens + num_lookahead`` tokens."""
+        needed = self.num_blocks_for(seq.num_tokens + num_lookahead)
+        return max(0, needed - len(seq.block_table))
 
     def free(self, seq: Sequence) -> None:
         """Return every block of ``seq`` to the free list and clear its table.
@@ -155,9 +163,6 @@ class BlockManager:
         missing = sorted(set(range(self.num_blocks)) - seen.keys())
         if missing:
             raise BlockManagerError(f"blocks {missing} are neither free nor in any given table")
-
-    def _num_missing_blocks(self, seq: Sequence) -> int:
-        return max(0, self.num_blocks_for(seq.num_tokens) - len(seq.block_table))
 
     def _take_blocks(self, seq: Sequence, num_blocks: int) -> None:
         if num_blocks > len(self._free_block_ids):

@@ -22,6 +22,10 @@ class Executor(Protocol):
         """Runs one model step on every rank; returns the sampled tokens (rank 0's)."""
         ...
 
+    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+        """Runs the fused multi-step graph on every rank; returns each sequence's tokens."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -36,6 +40,9 @@ class UniprocExecutor:
 
     def execute(self, step: StepInput) -> list[int]:
         return self.worker.execute(step)
+
+    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+        return self.worker.execute_multi_step(step)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -72,7 +72,7 @@ class LLMEngine:
                     "no room for a single KV block; raise gpu_memory_utilization or "
                     "kv_cache_memory_bytes, or use a smaller model"
                 )
-            self.executor.run(Command.INIT_KV_CACHE, num_blocks)
+            max_multi_step_seqs = min(self.executor.run(Command.INIT_KV_CACHE, num_blocks))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -83,7 +83,11 @@ class LLMEngine:
         eos = frozenset(model.eos_token_ids) | self.tokenizer.eos_token_ids
         self.runtime = EngineRuntime(num_blocks, eos, frozenset(weight_names))
         limits = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_model_len,
+            num_decode_steps=config.cuda_graph_multi_steps if max_multi_step_seqs else 1,
+            max_multi_step_seqs=max(max_multi_step_seqs, 1),
         )
         self.scheduler = Scheduler(limits, BlockManager(num_blocks, config.block_size), eos)
         self._sequences = SequenceFactory(random.Random(config.seed))
@@ -135,12 +139,16 @@ class LLMEngine:
         self.check_can_generate()
         batch = self.scheduler.schedule()
         assert batch is not None
+        step = StepInput.from_batch(batch)
         try:
-            tokens = self.executor.execute(StepInput.from_batch(batch))
+            if batch.num_steps > 1:  # greedy decode: the fused multi-step graph
+                tokens = self.executor.execute_multi_step(step)
+            else:
+                tokens = [[token] for token in self.executor.execute(step)]
         except BaseException:
             self.scheduler.preempt_all()  # the step is redone from recomputed KV
             raise
-        return [self._output(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+        return [self._output(seq) for seq in self.scheduler.postprocess_steps(batch, tokens)]
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
 

@@ -48,6 +48,9 @@ class SchedulerConfig:
         max_num_seqs: most sequences running at once (the largest decode batch).
         max_num_batched_tokens: most tokens computed in one step.
         max_model_len: most positions a sequence's KV may use.
+        num_decode_steps: decode steps one batch may run at once (the worker's fused
+            multi-step graph); 1 runs one step per batch.
+        max_multi_step_seqs: the largest batch that may run several steps at once.
 
     Since prefills are not chunked, a sequence of ``max_model_len`` tokens must fit in one
     step, so ``max_num_batched_tokens >= max_model_len`` is required.
@@ -56,9 +59,12 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    num_decode_steps: int = 1
+    max_multi_step_seqs: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps")
+        for name in (*names, "max_multi_step_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -81,13 +87,16 @@ class ScheduledBatch:
 
     For a prefill, each sequence computes positions ``num_computed_tokens .. num_tokens-1``;
     for a decode, each computes its last position ``num_tokens-1``. Either way every
-    sequence then samples one token. Block tables already cover all computed positions.
-    ``num_scheduled_tokens`` is the total number of positions computed, fixed at scheduling.
+    sequence then samples one token. A decode with ``num_steps > 1`` repeats that
+    ``num_steps`` times, greedily, feeding each token back. Block tables already cover all
+    computed positions. ``num_scheduled_tokens`` is the total number of positions computed,
+    fixed at scheduling.
     """
 
     seqs: tuple[Sequence, ...]
     is_prefill: bool
     num_scheduled_tokens: int
+    num_steps: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -170,7 +179,14 @@ class Scheduler:
         return batch
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """Record the step's KV and append ``token_ids[i]`` to ``batch.seqs[i]``.
+        """``postprocess_steps`` for a one-step batch: ``token_ids[i]`` is for ``seqs[i]``."""
+        return self.postprocess_steps(batch, [[token_id] for token_id in token_ids])
+
+    def postprocess_steps(
+        self, batch: ScheduledBatch, token_ids: list[list[int]]
+    ) -> list[Sequence]:
+        """Record the batch's KV and append ``token_ids[i]`` (``num_steps`` tokens, in order)
+        to ``batch.seqs[i]``, up to the token that finishes it; the rest are dropped.
 
         Sequences finished since ``schedule`` (aborted) are skipped. A sequence finishes on an
         EOS token (unless ``ignore_eos``), on one of its ``stop_token_ids``, at ``max_tokens``
@@ -183,19 +199,24 @@ class Scheduler:
                 "this batch is not in flight: it was postprocessed already, or preempt_all "
                 "discarded it (its sequences will recompute)"
             )
-        if len(token_ids) != batch.num_seqs:
-            raise ValueError(f"got {len(token_ids)} token ids for a batch of {batch.num_seqs}")
+        shape = (len(token_ids), {len(tokens) for tokens in token_ids})
+        if shape[0] != batch.num_seqs or shape[1] - {batch.num_steps}:
+            raise ValueError(
+                f"got token ids for {shape[0]} sequences with {sorted(shape[1])} steps, for a "
+                f"batch of {batch.num_seqs} sequences of {batch.num_steps} steps"
+            )
         self._batch_in_flight = None
         finished: list[Sequence] = []
-        for seq, token_id in zip(batch.seqs, token_ids, strict=True):
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens = seq.num_tokens
-            seq.append_token(token_id)
-            reason = self._finish_reason(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason)
-                finished.append(seq)
+        for seq, tokens in zip(batch.seqs, token_ids, strict=True):
+            for token_id in tokens:
+                if seq.is_finished:
+                    break
+                seq.num_computed_tokens = seq.num_tokens
+                seq.append_token(token_id)
+                reason = self._finish_reason(seq, token_id)
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
         if finished:
             self._running = deque(seq for seq in self._running if not seq.is_finished)
         return finished
@@ -260,7 +281,31 @@ class Scheduler:
                 self.block_manager.append_block_if_needed(seq)
                 scheduled.append(seq)
         self._running.extend(scheduled)
-        return ScheduledBatch(tuple(scheduled), False, len(scheduled)) if scheduled else None
+        if not scheduled:
+            return None
+        num_steps = self._num_decode_steps(scheduled)
+        return ScheduledBatch(tuple(scheduled), False, len(scheduled) * num_steps, num_steps)
+
+    def _num_decode_steps(self, seqs: list[Sequence]) -> int:
+        """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every
+        sequence is greedy and has that many tokens left to make, and the blocks of the extra
+        positions are free (they are taken here); else one step. A sequence that stops on a
+        token before the last step drops the tokens after it."""
+        num_steps, config = self.config.num_decode_steps, self.config
+        if num_steps == 1 or self._waiting or len(seqs) > config.max_multi_step_seqs:
+            return 1
+        for seq in seqs:
+            if not seq.params.is_greedy or seq.num_tokens + num_steps - 1 > config.max_model_len:
+                return 1
+            if seq.params.max_tokens - seq.num_output_tokens < num_steps:
+                return 1
+        lookahead = num_steps - 1
+        missing = sum(self.block_manager.num_missing_blocks(seq, lookahead) for seq in seqs)
+        if missing > self.block_manager.num_free_blocks:
+            return 1
+        for seq in seqs:
+            self.block_manager.append_block_if_needed(seq, lookahead)
+        return num_steps
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

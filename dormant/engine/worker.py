@@ -105,9 +105,12 @@ class Worker:
         budget = free - (1.0 - config.gpu_memory_utilization) * total - self._activation_bytes()
         return spec.num_blocks_for(int(budget))
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int) -> int:
         """Allocates ``num_blocks`` KV blocks plus one null block (id ``num_blocks``, owned by
-        no sequence: padded graph rows write there), then captures the decode graphs."""
+        no sequence: padded graph rows write there), then captures the decode graphs.
+
+        Returns the largest batch the fused multi-step graph takes (0: none was captured).
+        """
         model = self.model
         allocate_kv_cache(self.mm, model, kv_cache_spec(model, self.config), num_blocks + 1)
         self._runner = ModelRunner(self.config, model, self.mm, null_block=num_blocks)
@@ -115,6 +118,8 @@ class Worker:
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_graphs()
+        graphs = self.runner.graphs
+        return max(graphs.multi_step, default=0) if graphs is not None else 0
 
     def execute_multi_step(self, step: StepInput) -> list[list[int]]:
         return self.runner.execute_multi_step(step)

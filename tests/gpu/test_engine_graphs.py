@@ -100,6 +100,24 @@ def test_lifecycle_with_full_and_multi_step_graphs(
     llm.collective_rpc("verify_guards")
 
 
+def test_greedy_decodes_run_through_the_multi_step_graph(engines, checkpoint) -> None:
+    """The scheduler hands greedy decode batches to the fused graph, 4 steps per replay; the
+    tokens equal those of an engine that runs one FULL graph per step."""
+    llm = make(engines, checkpoint)
+    executor = llm.llm_engine.executor
+    replays: list[int] = []
+    run_multi_step = executor.execute_multi_step
+
+    def counted(step: StepInput) -> list[list[int]]:
+        replays.append(len(step.seqs))
+        return run_multi_step(step)
+
+    executor.execute_multi_step = counted  # type: ignore[method-assign]
+    multi = tokens(llm)
+    assert replays == [len(PROMPTS)] * 3  # 1 prefill token, 3 x 4 fused, then 3 single steps
+    assert multi == tokens(make(engines, checkpoint, cuda_graph_multi_steps=1))
+
+
 def test_graphs_decode_what_eager_decodes(engines, checkpoint) -> None:
     graphs = tokens(make(engines, checkpoint))
     engines.pop().shutdown()
