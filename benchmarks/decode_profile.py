@@ -61,7 +61,7 @@ def main() -> None:
     llm = LLM(ModelConfig.from_dict(QWEN3_8B_LIKE), max_model_len=4096, max_num_seqs=64,
               gpu_memory_utilization=0.6)  # fmt: skip
     worker = llm.llm_engine.executor.worker
-    runner = worker.model_runner
+    runner = worker.runner
     block_size = llm.llm_engine.config.block_size
     step = decode_step(1, 512, block_size, 4096 // block_size)
 

@@ -193,15 +193,13 @@ def _use_triton_write(cache: Tensor) -> bool:
 
 
 def _attention_kernel(cache: Tensor, meta: AttentionMetadata) -> Callable[..., Tensor]:
-    """On a GPU: the Triton decode kernel for decode steps (its tensor-core products need
-    blocks of at least 16 slots), the Triton prefill kernel for everything else. The CPU, and
-    heads that are not a power of two of at least 16, use the reference."""
-    block_size, head_dim = cache.shape[2], cache.shape[-1]
+    """On a GPU: the Triton decode kernel for decode steps, the Triton prefill kernel for
+    everything else. The CPU, and heads that are not a power of two of at least 16, use the
+    reference."""
+    head_dim = cache.shape[-1]
     if not use_triton(cache) or head_dim < 16 or not is_power_of_two(head_dim):
         return paged_attention_reference
-    if meta.max_query_len == 1 and block_size >= 16:
-        return paged_decode_attention
-    return paged_prefill_attention
+    return paged_decode_attention if meta.max_query_len == 1 else paged_prefill_attention
 
 
 if IS_TRITON_AVAILABLE:  # else (CPU-only installs) the reference serves every step

@@ -115,6 +115,7 @@ def test_greedy_decodes_run_through_the_multi_step_graph(engines, checkpoint) ->
     executor.execute_multi_step = counted  # type: ignore[method-assign]
     multi = tokens(llm)
     assert replays == [len(PROMPTS)] * 3  # 1 prefill token, 3 x 4 fused, then 3 single steps
+    engines.pop().shutdown()  # one engine per GPU at a time
     assert multi == tokens(make(engines, checkpoint, cuda_graph_multi_steps=1))
 
 

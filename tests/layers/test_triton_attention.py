@@ -1,43 +1,69 @@
-"""The Triton decode kernel against the torch reference, on the GPU."""
+"""The Triton split-KV decode kernel against the torch reference: on the GPU, and on the CPU
+through Triton's interpreter. The cases (poisoned slots and padding blocks included) are those
+of the prefill kernel's tests, with one new token per sequence."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from dormant.layers.attention import paged_attention_reference
-from dormant.layers.context import build_attention_metadata
+from tests.layers.test_triton_prefill import REPO, relative_error, tolerance
 
-pytestmark = pytest.mark.gpu
+# seq lens: a first token, block-aligned, mid-block, a long context over many splits
+DECODE_BATCH = [(1, 1), (17, 1), (100, 1), (333, 1), (16, 1), (3000, 1)]
+SMALL_DECODE_BATCH = [(1, 1), (17, 1), (70, 1), (130, 1)]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (32, 8), (16, 2)])
-def test_decode_kernel_matches_the_reference(cache_dtype, num_heads, num_kv_heads) -> None:
-    from dormant.layers.triton_attention import paged_decode_attention
+@pytest.mark.parametrize("max_seq_len", [None, 4096, 40960])  # eager, and as graphs see it
+def test_decode_kernel_matches_the_reference(
+    cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_seq_len: int | None
+) -> None:
+    query_dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    cuda = torch.device("cuda")
+    error = relative_error(
+        DECODE_BATCH, cache_dtype, query_dtype, num_heads, num_kv_heads, 128, 16, cuda,
+        kernel="decode", max_seq_len=max_seq_len,
+    )  # fmt: skip
+    assert error < tolerance(query_dtype), error
 
-    torch.manual_seed(0)
-    head_dim, block_size, num_blocks = 128, 16, 128
-    seq_lens = torch.tensor([1, 17, 100, 333, 16], dtype=torch.int32)
-    num_seqs = len(seq_lens)
-    tables = torch.randperm(num_blocks - 1)[: num_seqs * 22].view(num_seqs, 22).int()
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim) * 2
-    cache[:, num_blocks - 1] = float("nan")  # an unused block, poisoned: must never be read
-    tables[0, 1:] = num_blocks - 1  # padding entries point at it
-    k_scale, v_scale = torch.tensor(0.5), torch.tensor(0.25)
-    if cache_dtype == torch.float8_e4m3fn:
-        cache = torch.cat([(cache[:1] / k_scale), (cache[1:] / v_scale)]).to(cache_dtype)
-    else:
-        cache = cache.to(cache_dtype)
-        k_scale, v_scale = torch.tensor(1.0), torch.tensor(1.0)
-    query_dtype = torch.bfloat16 if cache_dtype != torch.float32 else torch.float32
-    query = torch.randn(num_seqs, num_heads, head_dim, dtype=query_dtype)
-    device = torch.device("cuda")
-    cache, query, tables, seq_lens = (t.to(device) for t in (cache, query, tables, seq_lens))
-    k_scale, v_scale = k_scale.to(device), v_scale.to(device)
-    meta = build_attention_metadata(tables, seq_lens, torch.ones_like(seq_lens), block_size)
-    expected = paged_attention_reference(query, cache, meta, 0.088, k_scale, v_scale).float()
-    actual = paged_decode_attention(query, cache, meta, 0.088, k_scale, v_scale).float()
-    assert not torch.isnan(actual).any()
-    error = (actual - expected).norm() / expected.norm()
-    assert error < (1e-5 if query_dtype == torch.float32 else 1e-2), float(error)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [4, 8, 32])
+def test_decode_kernel_any_block_size(block_size: int) -> None:
+    cuda = torch.device("cuda")
+    error = relative_error(
+        DECODE_BATCH, torch.bfloat16, torch.bfloat16, 16, 2, 64, block_size, cuda, kernel="decode"
+    )
+    assert error < tolerance(torch.bfloat16), error
+
+
+INTERPRETER_CASES = [  # (cache, query, heads, kv heads, head_dim, block_size, max_seq_len)
+    (torch.float32, torch.float32, 4, 2, 32, 16, None),
+    (torch.float32, torch.float32, 4, 1, 16, 8, 4096),
+    (torch.float8_e4m3fn, torch.float32, 4, 2, 16, 16, 300),
+]
+
+
+def test_decode_kernel_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    script = (
+        "import torch\n"
+        "from tests.layers import test_triton_attention as t\n"
+        "for *case, max_seq_len in t.INTERPRETER_CASES:\n"
+        "    error = t.relative_error(t.SMALL_DECODE_BATCH, *case, torch.device('cpu'),\n"
+        "                             kernel='decode', max_seq_len=max_seq_len)\n"
+        "    print(case, error)\n"
+        "    assert error < t.tolerance(case[1]), (case, error)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-c", script]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("\n") == len(INTERPRETER_CASES), result.stdout

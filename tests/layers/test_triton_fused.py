@@ -55,9 +55,10 @@ def test_rms_norm_and_silu_match_the_reference(dtype, monkeypatch) -> None:
     assert torch.equal(fused[2], expected[2])  # the residual sum: same rounding, exact
     for ours, reference in zip(fused, expected, strict=True):
         assert ours.dtype == reference.dtype and ours.shape == reference.shape
-        mismatched = (ours != reference).float().mean()
-        assert mismatched < 0.01, float(mismatched)  # sum order only: rare last-place flips
         torch.testing.assert_close(ours, reference)
+        if dtype == torch.bfloat16:  # the sum order differs, which bf16 rounding hides
+            mismatched = (ours != reference).float().mean()
+            assert mismatched < 0.01, float(mismatched)
 
 
 @pytest.mark.gpu

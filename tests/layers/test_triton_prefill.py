@@ -4,6 +4,7 @@ imported)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -45,14 +46,21 @@ def relative_error(
     head_dim: int,
     block_size: int,
     device: torch.device,
+    kernel: str = "prefill",
+    max_seq_len: int | None = None,
 ) -> float:
-    """Runs the kernel and the reference on one random batch; returns ``|out - ref| / |ref|``.
+    """Runs the kernel (``"prefill"`` or ``"decode"``) and the reference on one random batch;
+    returns ``|out - ref| / |ref|``. ``max_seq_len`` overrides the metadata's bound, as a
+    captured graph's does (``max_model_len``).
 
     Every cache entry the kernel must not read is NaN: the slots past each sequence's length in
     its last block, and a spare block that the padding entries of the block tables point at.
     Asserts that the output has no NaN.
     """
+    from dormant.layers.triton_attention import paged_decode_attention
     from dormant.layers.triton_prefill import paged_prefill_attention
+
+    attend = paged_prefill_attention if kernel == "prefill" else paged_decode_attention
 
     torch.manual_seed(0)
     num_table_blocks = max(math.ceil(seq_len / block_size) for seq_len, _ in batch) + 2
@@ -78,9 +86,11 @@ def relative_error(
     cache, query, tables = cache.to(device), query.to(device), tables.to(device)
     k_scale, v_scale = k_scale.to(device), v_scale.to(device)
     meta = build_attention_metadata(tables, seq_lens, query_lens, block_size)
+    if max_seq_len is not None:
+        meta = dataclasses.replace(meta, max_seq_len=max_seq_len)
     scale = head_dim**-0.5
     expected = paged_attention_reference(query, cache, meta, scale, k_scale, v_scale).float()
-    actual = paged_prefill_attention(query, cache, meta, scale, k_scale, v_scale)
+    actual = attend(query, cache, meta, scale, k_scale, v_scale)
     assert actual.shape == query.shape and actual.dtype == query.dtype
     assert not torch.isnan(actual).any()
     return float((actual.float() - expected).norm() / expected.norm())
