@@ -119,8 +119,10 @@ def main() -> None:
         )
     )
 
-    steady = statistics.median(time_steps(worker.execute, step)[3:])
-    for level in (1, 2):
+    steady_steps = time_steps(worker.execute, step)[3:]
+    steady = statistics.median(steady_steps)
+    rec.emit(case="steady", batch_size=1, step_s=steady, max_s=max(steady_steps))
+    for level in (1, 2, 1, 2, 1, 2):  # the first level-1 sleep also sets up the host arena
         llm.sleep(level=level)
         sleep = llm.memory_status()[0].last_sleep
         llm.wake_up(["weights"])
@@ -129,12 +131,13 @@ def main() -> None:
             llm.reload_weights()
         llm.wake_up(["kv_cache"])
         kv = llm.memory_status()[0].last_wake
-        first = time_steps(worker.execute, step, repeats=1)[0]
+        first, second = time_steps(worker.execute, step, repeats=2)
         rows.append(
             rec.emit(
                 case=f"after level-{level} wake",
                 batch_size=1,
                 step_s=first,
+                second_step_s=second,
                 x_steady=first / steady,
                 sleep_s=sleep.total_s,
                 sleep_copied=sleep.bytes_copied,
@@ -142,7 +145,10 @@ def main() -> None:
                 wake_weights_s=weights.total_s,
                 wake_weights_copied=weights.bytes_copied,
                 wake_kv_s=kv.total_s,
+                wake_kv_map_s=kv.map_s,
+                wake_kv_copy_s=kv.copy_s,
                 wake_kv_mapped=kv.bytes_mapped,
+                wake_kv_copied=kv.bytes_copied,
             )
         )
     print(llm.memory_status()[0].table())

@@ -187,6 +187,12 @@ def test_memory_freed_after_the_scope_stays_in_the_tag(mm: MemoryManager) -> Non
     assert mm.status().tag("workspace").mapped_bytes == 0
     mm.wake_up()
     assert mm.status().tag("workspace").mapped_bytes == reserved
+    torch.cuda.empty_cache()  # pytorch#145168: whether it reaches a pluggable pool varies
+    after = mm.status().tag("workspace").reserved_bytes
+    print(f"empty_cache: workspace reserved {reserved / MiB:.0f} -> {after / MiB:.0f} MiB")
+    if after != reserved:  # returned: then through our free, and no longer in the tag
+        assert after < reserved
+        assert not any(r.contains(address) for r in mm.audit(["workspace"]).records)
     del ordinary
 
 
