@@ -11,11 +11,14 @@ included. That is the bug class of DESIGN §2.5, so capture allocations are *und
 audit lists them with their call sites, and strict mode refuses to discard them until
 ``declare_backing`` says they are meant to be. Prefer the explicit API (``mm.empty``).
 
-PyTorch pitfalls handled here: pools and allocators are kept alive for the manager's lifetime
-(pytorch#146431); ``expandable_segments`` is switched off inside a scope, since expandable
-segments bypass a pool's allocator (pytorch#147851); ``empty_cache`` does not return a pluggable
-pool's cached blocks (pytorch#145168), so freed capture memory stays in the tag (and sleeps with
-it) until the pool is reused.
+PyTorch pitfalls handled here:
+- pools and allocators are kept alive for the manager's lifetime (pytorch#146431);
+- ``expandable_segments`` is switched off inside a scope (pytorch#147851: expandable segments
+  do not go through a pool's allocator; recent torch skips them for such pools itself, and the
+  switch keeps versions without that check correct). Tested under
+  ``expandable_segments:True``: the scope routes into its tag, the setting is back on outside;
+- freed capture memory stays cached in the tag's pool, sleeps with it and is reused by the next
+  capture; ``torch.cuda.empty_cache()`` did not return it on torch 2.11 (pytorch#145168).
 """
 
 from __future__ import annotations
