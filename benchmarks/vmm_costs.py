@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -187,16 +188,54 @@ def probe_hash(rec: Recorder) -> None:
             )
 
 
+def probe_hash_stages(rec: Recorder, num_spans: int = 195) -> None:
+    """The shipped hash path over 8 GiB in ``num_spans`` spans (an 8B model's weight segments),
+    stage by stage, with the device idle between stages."""
+    from dormant.memory.backend import Span
+    from dormant.memory.cuda_hash import hash_spans, launch, span_sums, work_table
+
+    size = 8 * GiB // num_spans // 16 * 16
+    data = torch.randint(-(2**31), 2**31 - 1, (size * num_spans // 4,), dtype=torch.int32,
+                         device="cuda")  # fmt: skip
+    spans = [Span(data.data_ptr() + i * size, size) for i in range(num_spans)]
+    rows, span_rows = work_table(spans, data.data_ptr())
+    table, span_table = torch.from_numpy(rows).cuda(), torch.from_numpy(span_rows).cuda()
+    partials = launch(data, table)
+    stages = {
+        "work_table": lambda: work_table(spans, data.data_ptr()),
+        "upload": lambda: torch.from_numpy(
+            np.concatenate([rows.ravel(), span_rows.ravel()])
+        ).cuda(),
+        "kernel": lambda: launch(data, table),
+        "span_sums": lambda: span_sums(partials, span_table).cpu(),
+        "whole": lambda: hash_spans(spans, data.device),
+        "whole, base given": lambda: hash_spans(spans, data.device, base=data),
+    }
+    for stage, fn in stages.items():
+        times = []
+        for _ in range(12):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        rec.emit(case="hash stages", stage=stage, num_spans=num_spans, nbytes=size * num_spans,
+                 median_s=statistics.median(times[2:]), min_s=min(times[2:]))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only-hash", action="store_true", help="skip the VMM and arena probes")
     args = parser.parse_args()
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     backend = CudaBackend(torch.cuda.current_device())
     probe_hash(rec)
-    probe_vmm(rec, backend)
-    probe_arena(rec, backend)
+    probe_hash_stages(rec)
+    if not args.only_hash:
+        probe_vmm(rec, backend)
+        probe_arena(rec, backend)
 
 
 if __name__ == "__main__":
