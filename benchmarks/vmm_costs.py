@@ -223,6 +223,50 @@ def probe_hash_stages(rec: Recorder, num_spans: int = 195) -> None:
                  median_s=statistics.median(times[2:]), min_s=min(times[2:]))  # fmt: skip
 
 
+def probe_hash_in_manager(rec: Recorder) -> None:
+    """The same stages over the allocations a MemoryManager made for the 8B-like weight set
+    (each at its own reserved address range), as a level-1 sleep hashes them."""
+    from benchmarks.sleep_wake import weight_mix
+    from dormant.memory import MemoryManager
+    from dormant.memory.cuda_hash import _nothing, hash_spans, launch, span_sums, work_table
+    from dormant.memory.dlpack import tensor_at
+
+    mm = MemoryManager("cuda")
+    tensors = [mm.empty((n,), torch.bfloat16, "weights") for n in weight_mix()]
+    for tensor in tensors:
+        tensor.view(torch.int16).random_()
+    spans = [a.span for a in mm._table.allocations(["weights"])]
+    base_address = min(s.address for s in spans)
+    base = tensor_at(base_address, 16, torch.device("cuda"), _nothing).view(torch.int32)
+    rows, span_rows = work_table(spans, base_address)
+    table, span_table = torch.from_numpy(rows).cuda(), torch.from_numpy(span_rows).cuda()
+    partials = launch(base, table)
+    stages = {
+        "work_table": lambda: work_table(spans, base_address),
+        "kernel": lambda: launch(base, table),
+        "span_sums": lambda: span_sums(partials, span_table).cpu(),
+        "whole": lambda: hash_spans(spans, torch.device("cuda")),
+        "content_hashes": lambda: mm.backend.content_hashes(spans),
+        "whole, after 0.25 s idle": lambda: hash_spans(spans, torch.device("cuda")),
+        "kernel, after 0.25 s idle": lambda: launch(base, table),
+    }
+    for stage, fn in stages.items():
+        times = []
+        for _ in range(12):
+            torch.cuda.synchronize()
+            if "idle" in stage:  # as between a wake and the next sleep, when the GPU clocks down
+                time.sleep(0.25)
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        rec.emit(case="hash in manager", stage=stage, num_spans=len(spans),
+                 span_extent=max(s.address + s.nbytes for s in spans) - base_address,
+                 median_s=statistics.median(times[2:]), min_s=min(times[2:]))  # fmt: skip
+    tensors.clear()
+    mm.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -233,6 +277,7 @@ def main() -> None:
     backend = CudaBackend(torch.cuda.current_device())
     probe_hash(rec)
     probe_hash_stages(rec)
+    probe_hash_in_manager(rec)
     if not args.only_hash:
         probe_vmm(rec, backend)
         probe_arena(rec, backend)
