@@ -16,7 +16,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -192,22 +191,20 @@ def probe_hash_stages(rec: Recorder, num_spans: int = 195) -> None:
     """The shipped hash path over 8 GiB in ``num_spans`` spans (an 8B model's weight segments),
     stage by stage, with the device idle between stages."""
     from dormant.memory.backend import Span
-    from dormant.memory.cuda_hash import hash_spans, launch, span_sums, work_table
+    from dormant.memory.cuda_hash import hash_spans, launch, span_sums, span_table
 
     size = 8 * GiB // num_spans // 16 * 16
     data = torch.randint(-(2**31), 2**31 - 1, (size * num_spans // 4,), dtype=torch.int32,
                          device="cuda")  # fmt: skip
     spans = [Span(data.data_ptr() + i * size, size) for i in range(num_spans)]
-    rows, span_rows = work_table(spans, data.data_ptr())
-    table, span_table = torch.from_numpy(rows).cuda(), torch.from_numpy(span_rows).cuda()
-    partials = launch(data, table)
+    rows, num_programs = span_table(spans, data.data_ptr())
+    table = torch.from_numpy(rows).cuda()
+    partials = launch(data, table, num_programs)
     stages = {
-        "work_table": lambda: work_table(spans, data.data_ptr()),
-        "upload": lambda: torch.from_numpy(
-            np.concatenate([rows.ravel(), span_rows.ravel()])
-        ).cuda(),
-        "kernel": lambda: launch(data, table),
-        "span_sums": lambda: span_sums(partials, span_table).cpu(),
+        "span_table": lambda: span_table(spans, data.data_ptr()),
+        "upload": lambda: torch.from_numpy(rows).cuda(),
+        "kernel": lambda: launch(data, table, num_programs),
+        "span_sums": lambda: span_sums(partials, table).cpu(),
         "whole": lambda: hash_spans(spans, data.device),
         "whole, base given": lambda: hash_spans(spans, data.device, base=data),
     }
@@ -228,7 +225,7 @@ def probe_hash_in_manager(rec: Recorder) -> None:
     (each at its own reserved address range), as a level-1 sleep hashes them."""
     from benchmarks.sleep_wake import weight_mix
     from dormant.memory import MemoryManager
-    from dormant.memory.cuda_hash import _nothing, hash_spans, launch, span_sums, work_table
+    from dormant.memory.cuda_hash import _nothing, hash_spans, launch, span_sums, span_table
     from dormant.memory.dlpack import tensor_at
 
     mm = MemoryManager("cuda")
@@ -238,17 +235,23 @@ def probe_hash_in_manager(rec: Recorder) -> None:
     spans = [a.span for a in mm._table.allocations(["weights"])]
     base_address = min(s.address for s in spans)
     base = tensor_at(base_address, 16, torch.device("cuda"), _nothing).view(torch.int32)
-    rows, span_rows = work_table(spans, base_address)
-    table, span_table = torch.from_numpy(rows).cuda(), torch.from_numpy(span_rows).cuda()
-    partials = launch(base, table)
+    rows, num_programs = span_table(spans, base_address)
+    table = torch.from_numpy(rows).cuda()
+    partials = launch(base, table, num_programs)
+
+    def after_a_cycle() -> None:  # a sleep that copies nothing, then a wake: fresh mappings
+        mm.sleep(tags={"weights": "discard"})
+        mm.wake_up()
+
     stages = {
-        "work_table": lambda: work_table(spans, base_address),
-        "kernel": lambda: launch(base, table),
-        "span_sums": lambda: span_sums(partials, span_table).cpu(),
+        "span_table": lambda: span_table(spans, base_address),
+        "kernel": lambda: launch(base, table, num_programs),
+        "span_sums": lambda: span_sums(partials, table).cpu(),
         "whole": lambda: hash_spans(spans, torch.device("cuda")),
         "content_hashes": lambda: mm.backend.content_hashes(spans),
         "whole, after 0.25 s idle": lambda: hash_spans(spans, torch.device("cuda")),
-        "kernel, after 0.25 s idle": lambda: launch(base, table),
+        "kernel, after 0.25 s idle": lambda: launch(base, table, num_programs),
+        "kernel, on fresh mappings": lambda: launch(base, table, num_programs),
     }
     for stage, fn in stages.items():
         times = []
@@ -256,6 +259,9 @@ def probe_hash_in_manager(rec: Recorder) -> None:
             torch.cuda.synchronize()
             if "idle" in stage:  # as between a wake and the next sleep, when the GPU clocks down
                 time.sleep(0.25)
+            if "fresh" in stage:
+                after_a_cycle()
+                torch.cuda.synchronize()
             start = time.perf_counter()
             fn()
             torch.cuda.synchronize()

@@ -17,8 +17,9 @@ giving a 128-bit digest. Why these, and what they guarantee:
   10.9 ms for three finalizers per word with 64-bit lanes. Only one finalizer per word is paid;
   the other lanes are a multiply-add each.
 
-All spans are hashed by one kernel launch over a table of 64 KiB work items; a second kernel adds
-up each span's items, and the digests come back in one small copy.
+All spans are hashed by one kernel launch, one program per 64 KiB; each program finds its span by
+a binary search of a per-span table (so nothing per program is built on the host). A second kernel
+adds up each span's programs, and the digests come back in one small copy.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from dormant.memory.backend import Span
 from dormant.memory.dlpack import tensor_at
 
 _BLOCK = 1024  # words per tile
-_TILES = 16  # tiles per program: each program hashes 64 KiB
-_WORDS_PER_PROGRAM = _BLOCK * _TILES
+_WORDS_PER_PROGRAM = 16 * _BLOCK  # each program hashes 64 KiB
 SPAN_SUM_BLOCK = 256  # programs added per step by the span-sum kernel
 
 
@@ -50,21 +50,31 @@ def _fmix32(h):
 
 
 @triton.jit
-def _hash_kernel(base, table, out, BLOCK: tl.constexpr, TILES: tl.constexpr):
+def _hash_kernel(
+    base, spans, out, NUM_SPANS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    WORDS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
-    # table rows: (first word of the program, relative to ``base``; number of words; position
-    # of that word in its span). Addressing relative to an aligned pointer argument, with the
-    # offset declared a multiple of 4 words, lets the compiler issue 16-byte loads; a pointer
-    # made from an integer could not be vectorized (8 GiB took 34 ms instead of ~2.3).
-    start = tl.multiple_of(tl.load(table + pid * 3), 4)
-    num_words = tl.load(table + pid * 3 + 1)
-    first = tl.load(table + pid * 3 + 2)
-    words = base + start
+    # ``spans`` rows: (first word relative to ``base``, number of words, first program). This
+    # program's span is the last whose first program is <= pid: a binary search of the table.
+    lo = 0
+    hi = NUM_SPANS
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        is_right = (mid < hi) & (tl.load(spans + mid * 3 + 2, mask=mid < NUM_SPANS) <= pid)
+        lo = tl.where(is_right, mid, lo)
+        hi = tl.where(is_right, hi, mid)
+    first = (pid - tl.load(spans + lo * 3 + 2)) * WORDS_PER_PROGRAM  # position in the span
+    num_words = tl.minimum(tl.load(spans + lo * 3 + 1) - first, WORDS_PER_PROGRAM)
+    # Addressing relative to an aligned pointer argument, with the offset declared a multiple
+    # of 4 words, lets the compiler issue 16-byte loads; a pointer made from an integer could
+    # not be vectorized (8 GiB took 34 ms instead of ~2.3).
+    words = base + tl.multiple_of(tl.load(spans + lo * 3) + first, 4)
     lane0 = tl.zeros([BLOCK], dtype=tl.uint32)
     lane1 = tl.zeros([BLOCK], dtype=tl.uint32)
     lane2 = tl.zeros([BLOCK], dtype=tl.uint32)
     lane3 = tl.zeros([BLOCK], dtype=tl.uint32)
-    for t in range(TILES):
+    for t in range(WORDS_PER_PROGRAM // BLOCK):
         offsets = t * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < num_words
         w = tl.load(words + offsets, mask=mask, other=0).to(tl.uint32, bitcast=True)
@@ -83,12 +93,14 @@ def _hash_kernel(base, table, out, BLOCK: tl.constexpr, TILES: tl.constexpr):
 
 
 @triton.jit
-def _span_sum_kernel(partials, spans, out, BLOCK: tl.constexpr):
-    """One program per span: the wrapping sum of its programs' rows (``spans`` rows are
-    (first program, number of programs); a span's programs are consecutive)."""
+def _span_sum_kernel(
+    partials, spans, out, WORDS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """One program per span: the wrapping sum of its programs' rows (a span's programs are
+    consecutive, from its first program on)."""
     span = tl.program_id(0)
-    first = tl.load(spans + span * 2)
-    count = tl.load(spans + span * 2 + 1)
+    first = tl.load(spans + span * 3 + 2)
+    count = tl.cdiv(tl.load(spans + span * 3 + 1), WORDS_PER_PROGRAM)
     rows = tl.arange(0, BLOCK)
     lanes = tl.arange(0, 4)
     total = tl.zeros([BLOCK, 4], dtype=tl.uint32)
@@ -99,34 +111,31 @@ def _span_sum_kernel(partials, spans, out, BLOCK: tl.constexpr):
     tl.store(out + span * 4 + lanes, tl.sum(total, axis=0).to(tl.int32, bitcast=True))
 
 
-def work_table(spans: Sequence[Span], base: int) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels' tables, as int64 arrays built without a Python loop over the programs.
-
-    Returns rows of (first word relative to ``base``, number of words, position of that word in
-    its span), one per 64 KiB program, spans in order; and rows of (first program, number of
-    programs), one per span.
-    """
+def span_table(spans: Sequence[Span], base: int) -> tuple[np.ndarray, int]:
+    """Rows of (first word relative to ``base``, number of words, first program), one per span
+    (int64), and the number of 64 KiB programs. Raises ValueError for an empty or misaligned
+    span."""
     addresses = np.fromiter((s.address for s in spans), dtype=np.int64, count=len(spans))
     sizes = np.fromiter((s.nbytes for s in spans), dtype=np.int64, count=len(spans))
-    misaligned = (sizes % 16 != 0) | (addresses % 16 != 0) | ((addresses - base) % 16 != 0)
-    if misaligned.any():
+    is_bad = (
+        (sizes <= 0) | (sizes % 16 != 0) | (addresses % 16 != 0) | ((addresses - base) % 16 != 0)
+    )
+    if is_bad.any():
         raise ValueError(
-            f"content hash needs 16-byte aligned spans, got {spans[misaligned.argmax()]}"
+            f"content hash needs non-empty 16-byte aligned spans, got {spans[is_bad.argmax()]}"
         )
     num_words = sizes // 4
     num_programs = -(-num_words // _WORDS_PER_PROGRAM)
     first_program = np.cumsum(num_programs) - num_programs
-    owner = np.repeat(np.arange(len(spans)), num_programs)
-    first = (np.arange(int(num_programs.sum())) - first_program[owner]) * _WORDS_PER_PROGRAM
-    start = (addresses[owner] - base) // 4 + first
-    count = np.minimum(_WORDS_PER_PROGRAM, num_words[owner] - first)
-    return np.stack([start, count, first], 1), np.stack([first_program, num_programs], 1)
+    rows = np.stack([(addresses - base) // 4, num_words, first_program], 1)
+    return rows, int(num_programs.sum())
 
 
 def hash_spans(
     spans: Sequence[Span], device: torch.device, base: torch.Tensor | None = None
 ) -> list[bytes]:
-    """A 128-bit digest of each span of device memory: one upload, two kernels, one download.
+    """A 128-bit digest of each span of device memory: a 24-byte-per-span upload, two kernels,
+    one 16-byte-per-span download.
 
     ``base`` is the pointer argument every span is addressed relative to; by default an int32
     view at the lowest span address (tests pass a tensor covering every span instead).
@@ -136,27 +145,32 @@ def hash_spans(
         return []
     if base is None:
         base = tensor_at(min(s.address for s in spans), 16, device, _nothing).view(torch.int32)
-    rows, span_rows = work_table(spans, base.data_ptr())
-    tables = torch.from_numpy(np.concatenate([rows.ravel(), span_rows.ravel()])).to(device)
-    partials = launch(base, tables[: rows.size].view(-1, 3))
-    sums = span_sums(partials, tables[rows.size :].view(-1, 2))
-    return [row.tobytes() for row in sums.cpu().numpy().view(np.uint32)]
+    rows, num_programs = span_table(spans, base.data_ptr())
+    table = torch.from_numpy(rows).to(device)
+    partials = launch(base, table, num_programs)
+    return [row.tobytes() for row in span_sums(partials, table).cpu().numpy().view(np.uint32)]
 
 
-def launch(base: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Runs the hash kernel over the work ``table`` (on the device); returns each program's
-    four lane sums."""
-    partials = torch.empty((len(table), 4), dtype=torch.int32, device=table.device)
-    _hash_kernel[(len(table),)](base, table, partials, BLOCK=_BLOCK, TILES=_TILES)
+def launch(base: torch.Tensor, table: torch.Tensor, num_programs: int) -> torch.Tensor:
+    """Runs the hash kernel over the spans of ``table`` (on the device); returns each 64 KiB
+    program's four lane sums."""
+    partials = torch.empty((num_programs, 4), dtype=torch.int32, device=table.device)
+    num_spans = len(table)
+    _hash_kernel[(num_programs,)](
+        base, table, partials, NUM_SPANS=num_spans, SEARCH_STEPS=max(num_spans.bit_length(), 1),
+        WORDS_PER_PROGRAM=_WORDS_PER_PROGRAM, BLOCK=_BLOCK,
+    )  # fmt: skip
     return partials
 
 
-def span_sums(partials: torch.Tensor, span_table: torch.Tensor) -> torch.Tensor:
+def span_sums(partials: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Each span's four lanes: the sums mod 2^32 of its programs' lanes, added on the device
     (one program per span, no atomics; torch's index_add_ took 11 ms of contended atomics for
     8 GiB, and adding them on the host 2.8 ms)."""
-    out = torch.empty((len(span_table), 4), dtype=torch.int32, device=partials.device)
-    _span_sum_kernel[(len(span_table),)](partials, span_table, out, BLOCK=SPAN_SUM_BLOCK)
+    out = torch.empty((len(table), 4), dtype=torch.int32, device=partials.device)
+    _span_sum_kernel[(len(table),)](
+        partials, table, out, WORDS_PER_PROGRAM=_WORDS_PER_PROGRAM, BLOCK=SPAN_SUM_BLOCK
+    )
     return out
 
 
