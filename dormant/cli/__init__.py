@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dormant.cli.serve import add_serve_parser, run_serve
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dormant", description=__doc__)
@@ -25,11 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         help="model size (default: small on a GPU, tiny on the CPU)",
     )
     demo.add_argument("--png", default="dormant-demo.png", help="memory timeline image")
+    add_serve_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from dormant.cli.demo import run_demo
 
         return run_demo(device=args.device, level=args.level, size=args.size, png=args.png)
+    if args.command == "serve":
+        return run_serve(args)
     return 2
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 _NUM_BYTE_IDS = 256
@@ -39,6 +39,11 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Iterable[int]) -> str: ...
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt ids of a chat, ending with the assistant's turn; ``TokenizerError`` if
+        the tokenizer has no chat template."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids ``0..255``, BOS ``256`` and EOS ``257``; for models without one.
@@ -61,6 +66,12 @@ class ByteTokenizer:
     def decode(self, token_ids: Iterable[int]) -> str:
         data = bytes(t for t in token_ids if 0 <= t < _NUM_BYTE_IDS)
         return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        raise TokenizerError(
+            "this model has no tokenizer (bytes stand in for one), so no chat template; "
+            "use /v1/completions with a prompt"
+        )
 
 
 class HFTokenizer:
@@ -101,6 +112,16 @@ class HFTokenizer:
 
     def decode(self, token_ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise TokenizerError(
+                "the model's tokenizer has no chat template; use /v1/completions with a prompt"
+            )
+        ids = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
 def has_tokenizer_files(model_dir: str) -> bool:
