@@ -18,7 +18,8 @@ from dormant import LLM, SamplingParams
 from dormant.server import DormantServer
 from tests.engine.conftest import PROMPTS, write_checkpoint
 
-OPTIONS = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
+OPTIONS = dict(max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 
@@ -27,16 +28,21 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("server_ckpt"), seed=1)
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def expected(checkpoint: Path) -> list[tuple[int, ...]]:
-    with LLM(str(checkpoint), **OPTIONS) as llm:
+def expected(checkpoint: Path, device: str) -> list[tuple[int, ...]]:
+    with LLM(str(checkpoint), device=device, **OPTIONS) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
 @pytest.fixture
-def server(checkpoint: Path) -> Iterator[DormantServer]:
-    llm = LLM(str(checkpoint), **OPTIONS)
+def server(checkpoint: Path, device: str, expected) -> Iterator[DormantServer]:
+    llm = LLM(str(checkpoint), device=device, **OPTIONS)
     server = DormantServer(("127.0.0.1", 0), llm, "tiny")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -112,7 +118,8 @@ def test_rl_cycle_over_http(server, expected, checkpoint) -> None:
 def test_a_sleep_answers_the_requests_it_aborts(server) -> None:
     engine = server.llm.llm_engine
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(complete, server, PROMPTS[0], max_tokens=240)
+        sampled = {"max_tokens": 240, "temperature": 1.0, "seed": 0}  # one step per replay
+        running = pool.submit(complete, server, PROMPTS[0], **sampled)
         while not server.loop.call(engine.has_unfinished_requests):
             pass
         assert call(server, "POST", "/sleep?level=1&mode=abort")[0] == 200
@@ -179,7 +186,7 @@ def write_chat_tokenizer(path: Path) -> list[int]:
 def test_chat_completions_use_the_chat_template(tmp_path: Path) -> None:
     checkpoint = write_checkpoint(tmp_path / "chat", seed=1)
     prompt_ids = write_chat_tokenizer(checkpoint)
-    llm = LLM(str(checkpoint), **OPTIONS)
+    llm = LLM(str(checkpoint), device="cpu", **OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     expected = llm.generate([prompt_ids], params)[0].outputs[0]
     server = DormantServer(("127.0.0.1", 0), llm, "chat")
