@@ -154,6 +154,7 @@ def test_collective_rpc_and_sglang_names(server) -> None:
     ],
 )
 def test_bad_requests_are_refused_with_400(server, fields, message) -> None:
+    fields = dict(fields)  # parametrize shares the dict between the devices
     status, reply = complete(server, fields.pop("prompt", PROMPTS[0]), **fields)
     assert status == 400, reply
     assert message in reply["error"]["message"]
