@@ -23,6 +23,7 @@ from dormant.distributed.worker_process import init_distributed, worker_main
 from dormant.engine.commands import Command
 from dormant.engine.config import EngineConfig
 from dormant.engine.errors import EngineDeadError
+from dormant.engine.executor import UniprocExecutor
 from dormant.engine.step_input import StepInput
 from dormant.engine.worker import Worker
 
@@ -127,10 +128,9 @@ def _stop(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> N
         conn.close()
 
 
-class ExternalLauncherExecutor:
-    """One rank of an engine started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
-
-    world_size = 1  # the ranks this process talks to: itself
+class ExternalLauncherExecutor(UniprocExecutor):
+    """One rank of an engine started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``):
+    an in-process executor whose worker is this process's rank."""
 
     def __init__(self, config: EngineConfig) -> None:
         world_size = int(os.environ["WORLD_SIZE"])
@@ -142,16 +142,4 @@ class ExternalLauncherExecutor:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         init_distributed(int(os.environ["RANK"]), world_size, "env://", on_gpu)
-        self.worker = Worker(config, local_rank, world_size)
-
-    def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
-        return [self.worker.handle(command, *args, **kwargs)]
-
-    def execute(self, step: StepInput) -> list[int]:
-        return self.worker.execute(step)
-
-    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
-        return self.worker.execute_multi_step(step)
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+        super().__init__(config, Worker(config, local_rank, world_size))

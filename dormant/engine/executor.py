@@ -30,10 +30,12 @@ class Executor(Protocol):
 
 
 class UniprocExecutor:
-    world_size = 1
+    """Hosts one worker in this process (by default the only rank)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(config)
+    world_size = 1  # the ranks this executor talks to: its own
+
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        self.worker = worker or Worker(config)
 
     def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
         return [self.worker.handle(command, *args, **kwargs)]
