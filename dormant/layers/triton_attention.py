@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from dormant.layers.context import AttentionMetadata
+from dormant.layers.triton_paged import attend_tile
 
 BLOCK_N = 64  # positions per tile
 MAX_NUM_SPLITS = 32
@@ -61,35 +62,21 @@ def _split_kernel(
     n = tl.arange(0, BLOCK_N)
     q_offsets = seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
-    dot_dtype = q.dtype
     k_scale = tl.load(k_scale_ptr) if IS_FP8 else 1.0
     v_scale = tl.load(v_scale_ptr) if IS_FP8 else 1.0
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for tile in range(start, end, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):  # every tile has a valid lane: the max stays finite
         pos = tile + n
         valid = pos < end
         safe_pos = tl.where(valid, pos, start)  # masked lanes address a position we own
-        block = tl.load(tables_ptr + seq * stride_table + safe_pos // BLOCK_SIZE).to(tl.int64)
-        kv_offsets = (block[:, None] * stride_block + (safe_pos % BLOCK_SIZE)[:, None] * stride_slot
-                      + kv_head * stride_kv_head + d[None, :])  # fmt: skip
-        k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        if IS_FP8:
-            k = (k.to(tl.float32) * k_scale).to(dot_dtype)
-        scores = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION) * sm_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: every tile has a valid lane
-        correction = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * correction + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-        if IS_FP8:
-            v = (v.to(tl.float32) * v_scale).to(dot_dtype)
-        pv = tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision=DOT_PRECISION)
-        acc = acc * correction[:, None] + pv
-        m = m_new
+        m, denom, acc = attend_tile(
+            q, m, denom, acc, k_ptr, v_ptr, tables_ptr + seq * stride_table, safe_pos, valid,
+            valid[None, :], kv_head, d, k_scale, v_scale, sm_scale, stride_block, stride_slot,
+            stride_kv_head, BLOCK_SIZE, IS_FP8, DOT_PRECISION,
+        )  # fmt: skip
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
              mask=g_mask[:, None])  # fmt: skip
     tl.store(part_lse_ptr + part, m + tl.log(denom), mask=g_mask)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from dormant.layers.context import AttentionMetadata
+from dormant.layers.triton_paged import attend_tile
 
 MAX_BLOCK_N = 64  # keys per tile
 # K and V tiles of one pipeline stage stay within 64 KiB of shared memory (two stages fit in an
@@ -58,7 +59,6 @@ def _prefill_kernel(
     n = tl.arange(0, BLOCK_N)
     q_offsets = tokens[:, None] * stride_q_token + head * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-    dot_dtype = q.dtype
     k_scale = tl.load(k_scale_ptr) if IS_FP8 else 1.0
     v_scale = tl.load(v_scale_ptr) if IS_FP8 else 1.0
 
@@ -72,25 +72,12 @@ def _prefill_kernel(
         pos = start + n
         valid = pos < seq_len
         safe_pos = tl.where(valid, pos, 0)  # masked lanes address slot 0 of the first block
-        block = tl.load(tables_ptr + seq * stride_table + safe_pos // BLOCK_SIZE).to(tl.int64)
-        kv_offsets = (block[:, None] * stride_block + (safe_pos % BLOCK_SIZE)[:, None] * stride_slot
-                      + kv_head * stride_kv_head + d[None, :])  # fmt: skip
-        k = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        if IS_FP8:
-            k = (k.to(tl.float32) * k_scale).to(dot_dtype)
-        scores = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION) * sm_scale
-        is_visible = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(is_visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        correction = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * correction + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)
-        if IS_FP8:
-            v = (v.to(tl.float32) * v_scale).to(dot_dtype)
-        pv = tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision=DOT_PRECISION)
-        acc = acc * correction[:, None] + pv
-        m = m_new
+        is_visible = valid[None, :] & (pos[None, :] <= query_pos[:, None])  # causal
+        m, denom, acc = attend_tile(
+            q, m, denom, acc, k_ptr, v_ptr, tables_ptr + seq * stride_table, safe_pos, valid,
+            is_visible, kv_head, d, k_scale, v_scale, sm_scale, stride_block, stride_slot,
+            stride_kv_head, BLOCK_SIZE, IS_FP8, DOT_PRECISION,
+        )  # fmt: skip
     out = acc / denom[:, None]
     o_offsets = tokens[:, None] * stride_o_token + head * stride_o_head + d[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
