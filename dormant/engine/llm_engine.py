@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.commands import PUBLIC_RPC, Command
 from dormant.engine.config import EngineConfig
@@ -34,7 +35,7 @@ from dormant.engine.errors import (
 from dormant.engine.executor import Executor, make_executor
 from dormant.engine.outputs import CompletionOutput, RequestOutput
 from dormant.engine.sampling_params import SamplingParams
-from dormant.engine.scheduler import Scheduler, SchedulerConfig
+from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import Sequence as Seq
 from dormant.engine.sequence import SequenceFactory
 from dormant.engine.step_input import StepInput

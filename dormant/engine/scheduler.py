@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -38,69 +38,6 @@ class RequestTooLongError(SchedulerError, ValueError):
 
 class DuplicateSequenceError(SchedulerError, ValueError):
     """A sequence id was added while a sequence with that id is still unfinished."""
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Limits of one scheduling step.
-
-    Attributes:
-        max_num_seqs: most sequences running at once (the largest decode batch).
-        max_num_batched_tokens: most tokens computed in one step.
-        max_model_len: most positions a sequence's KV may use.
-        num_decode_steps: decode steps one batch may run at once (the worker's fused
-            multi-step graph); 1 runs one step per batch.
-        max_multi_step_seqs: the largest batch that may run several steps at once.
-
-    Since prefills are not chunked, a sequence of ``max_model_len`` tokens must fit in one
-    step, so ``max_num_batched_tokens >= max_model_len`` is required.
-    """
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    num_decode_steps: int = 1
-    max_multi_step_seqs: int = 1
-
-    def __post_init__(self) -> None:
-        names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps")
-        for name in (*names, "max_multi_step_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}): prefills are not chunked, so a "
-                "preempted sequence must be recomputable in one step"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}) so a full decode batch fits in one step"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledBatch:
-    """The sequences of one step.
-
-    For a prefill, each sequence computes positions ``num_computed_tokens .. num_tokens-1``;
-    for a decode, each computes its last position ``num_tokens-1``. Either way every
-    sequence then samples one token. A decode with ``num_steps > 1`` repeats that
-    ``num_steps`` times, greedily, feeding each token back. Block tables already cover all
-    computed positions. ``num_scheduled_tokens`` is the total number of positions computed,
-    fixed at scheduling.
-    """
-
-    seqs: tuple[Sequence, ...]
-    is_prefill: bool
-    num_scheduled_tokens: int
-    num_steps: int = 1
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
 
 
 class Scheduler:

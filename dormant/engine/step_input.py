@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dormant.engine.batch import ScheduledBatch
 from dormant.engine.sampling_params import SamplingParams
-from dormant.engine.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sampling_params import SamplingParams
-from dormant.engine.scheduler import Scheduler, SchedulerConfig
+from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import FinishReason, Sequence, SequenceFactory
 
 EOS = 0

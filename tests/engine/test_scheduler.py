@@ -6,14 +6,13 @@ import random
 
 import pytest
 
+from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sampling_params import SamplingParams
 from dormant.engine.scheduler import (
     DuplicateSequenceError,
     RequestTooLongError,
-    ScheduledBatch,
     Scheduler,
-    SchedulerConfig,
     SchedulerError,
 )
 from dormant.engine.sequence import FinishReason, Sequence, SequenceFactory, SequenceStatus

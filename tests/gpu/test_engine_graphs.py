@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dormant import LLM, SamplingParams
-from dormant.engine.scheduler import ScheduledBatch
+from dormant.engine.batch import ScheduledBatch
 from dormant.engine.step_input import StepInput
 from tests.engine.conftest import PROMPTS, write_checkpoint
 
