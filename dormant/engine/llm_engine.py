@@ -116,6 +116,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def request_output(self, request_id: int) -> RequestOutput | None:
+        """An unfinished request as it stands (its output so far), for streaming; None once it
+        finished (``step`` returned it) or if it is unknown."""
+        seq = self.scheduler.unfinished(request_id)
+        return None if seq is None else self._output(seq)
+
     def check_can_generate(self) -> None:
         """Raises EngineAsleepError / WeightsNotLoadedError if a step cannot run now."""
         if self._sleep_level == 0:
@@ -279,12 +285,14 @@ class LLMEngine:
             )
 
     def _output(self, seq: Seq) -> RequestOutput:
+        """What ``seq`` has produced so far; its prompt text is forgotten once it finished."""
         text = self.tokenizer.decode(seq.output_token_ids)
         reason = None if seq.finish_reason is None else str(seq.finish_reason)
         completion = CompletionOutput(0, text, tuple(seq.output_token_ids), reason)
+        prompts = self._prompts
         return RequestOutput(
             request_id=str(seq.seq_id),
-            prompt=self._prompts.pop(seq.seq_id, None),
+            prompt=prompts.pop(seq.seq_id, None) if seq.is_finished else prompts.get(seq.seq_id),
             prompt_token_ids=tuple(seq.prompt_token_ids),
             outputs=(completion,),
             finished=seq.is_finished,

@@ -69,6 +69,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished_by_id)
 
+    def unfinished(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence with this id, or None (unknown, or finished)."""
+        return self._unfinished_by_id.get(seq_id)
+
     def add(self, seq: Sequence) -> None:
         """Queue a new WAITING sequence at the back of `waiting`.
 

@@ -5,6 +5,7 @@
 | GET  /health                    |                              | 200 while the engine loop runs |
 | GET  /v1/models                 |                              | the served model              |
 | POST /v1/completions            | OpenAI completion            | generate (see protocol.py)    |
+|                                 | with "stream": true          | server-sent events            |
 | POST /v1/chat/completions       | OpenAI chat, text messages   | generate from the chat template |
 | POST /sleep                     | ?level=1&mode=abort          | ``LLM.sleep(level, mode)``    |
 | POST /wake_up                   | ?tags=weights&tags=kv_cache  | ``LLM.wake_up(tags)``         |
@@ -31,15 +32,19 @@ from urllib.parse import parse_qs, urlsplit
 
 from dormant.engine.errors import EngineAsleepError
 from dormant.engine.llm import LLM
+from dormant.engine.sampling_params import SamplingParams
 from dormant.memory.errors import SleepConflictError, TagAsleepError, WakeOutOfMemoryError
 from dormant.server.engine_loop import EngineLoop, EngineStoppedError
 from dormant.server.protocol import (
     BadRequestError,
+    Options,
+    Prompt,
     chat_response,
     completion_response,
     parse_chat,
     parse_completion,
 )
+from dormant.server.streaming import Stream
 
 # update_weights takes tensors, which JSON cannot carry: refit over HTTP from disk instead.
 _RPC_OVER_HTTP = {"wake_up", "reload_weights", "memory_status", "kv_cache_scales", "audit",
@@ -72,13 +77,17 @@ class DormantServer(ThreadingHTTPServer):
             return {"object": "list", "data": [{**card, "max_model_len": max_len}]}
         if route == ("POST", "/v1/completions"):
             request = parse_completion(body)
+            if request.options.stream:
+                return self._stream("completion", request.prompts, request.params, request.options)
             outputs = self.loop.generate(request.prompts, request.params)
-            return completion_response(outputs, self.model_name, request.return_token_ids)
+            return completion_response(outputs, self.model_name, request.options.return_token_ids)
         if route == ("POST", "/v1/chat/completions"):
-            messages, params, return_token_ids = parse_chat(body, engine.config.max_model_len)
-            prompt = engine.tokenizer.apply_chat_template(messages)
-            output = self.loop.generate([prompt], params)[0]
-            return chat_response(output, self.model_name, return_token_ids)
+            chat = parse_chat(body, engine.config.max_model_len)
+            prompt = engine.tokenizer.apply_chat_template(chat.messages)
+            if chat.options.stream:
+                return self._stream("chat", [prompt], chat.params, chat.options)
+            output = self.loop.generate([prompt], chat.params)[0]
+            return chat_response(output, self.model_name, chat.options.return_token_ids)
         if route == ("POST", "/sleep"):
             level = _one(query, "level", "1")
             if not level.isdigit():
@@ -105,6 +114,13 @@ class DormantServer(ThreadingHTTPServer):
             self.loop.call(lambda: engine.reload_weights(path_field))
             return {"success": True}
         raise LookupError(f"no route {method} {path}")
+
+    def _stream(
+        self, kind: str, prompts: list[Prompt], params: SamplingParams, options: Options
+    ) -> Stream:
+        stream = Stream(self.loop, kind, self.model_name, options)
+        stream.open(prompts, params)  # a refusal raises here, before anything is sent
+        return stream
 
     def _collective_rpc(self, body: Any) -> list[Any]:
         if not isinstance(body, dict) or not isinstance(body.get("method"), str):
@@ -147,12 +163,33 @@ class _Handler(BaseHTTPRequestHandler):
             except json.JSONDecodeError as error:
                 raise BadRequestError(f"the body is not valid JSON: {error}") from error
             reply = self.server.handle(method, url.path, parse_qs(url.query), body)
+            if isinstance(reply, Stream):
+                self._send_events(reply)
+                return
             self._reply(HTTPStatus.OK, reply)
         except Exception as error:
             status = _status_of(error)
             message = str(error.args[0]) if error.args else type(error).__name__
             self._reply(status, {"error": {"message": message, "type": type(error).__name__,
                                            "code": int(status)}})  # fmt: skip
+
+    def _send_events(self, stream: Stream) -> None:
+        """Server-sent events until ``data: [DONE]``; the connection closes after them. A
+        client that goes away aborts its requests."""
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for event in stream:
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:  # the client went away (BrokenPipe, ConnectionReset)
+            stream.cancel()
 
     def _reply(self, status: HTTPStatus, payload: Any) -> None:
         data = json.dumps(payload).encode()

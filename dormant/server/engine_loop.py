@@ -3,8 +3,11 @@
 The engine is not thread-safe, so only the loop thread ever touches it. Request threads put
 commands (plain callables) on a queue and wait for their results; between two engine steps the
 loop runs every queued command, so a ``sleep`` or a refit lands between steps, never inside one.
-Generation requests resolve when their sequence finishes: in a step, or when a sleep aborts or
-drains it.
+
+Each generation request has a listener, called on the loop thread: with the request's output
+so far after every step that added tokens (streaming listeners only), with its final output
+when it finishes (in a step, or aborted or drained by a sleep), or with an exception if the
+engine failed under it. Listeners must be quick and must not raise (``queue.put`` is typical).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dormant.engine.llm_engine import LLMEngine
@@ -20,10 +24,18 @@ from dormant.engine.outputs import RequestOutput
 from dormant.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+Listener = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineStoppedError(RuntimeError):
     """The engine loop was stopped (the server is shutting down)."""
+
+
+@dataclass
+class _Request:
+    listener: Listener
+    is_streaming: bool
+    num_tokens_sent: int = 0
 
 
 class EngineLoop:
@@ -35,7 +47,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
-        self._pending: dict[str, Future[RequestOutput]] = {}
+        self._requests: dict[str, _Request] = {}
         self._is_stopped = False
         self._stop_lock = threading.Lock()  # no command is queued after the loop stopped
         self._thread = threading.Thread(target=self._run, name="dormant-engine-loop", daemon=True)
@@ -44,23 +56,50 @@ class EngineLoop:
     def generate(
         self, prompts: Sequence[str | list[int]], params: SamplingParams
     ) -> list[RequestOutput]:
-        """Queues every prompt (all or none: a refused request queues nothing) and waits for
-        them to finish. Raises what ``check_can_generate``/``add_request`` raise."""
+        """Queues every prompt and waits for their final outputs, in prompt order."""
+        futures = [Future[RequestOutput]() for _ in prompts]
 
-        def add() -> list[Future[RequestOutput]]:
+        def settle(future: Future[RequestOutput]) -> Listener:
+            def listener(item: RequestOutput | BaseException) -> None:
+                if isinstance(item, BaseException):
+                    future.set_exception(item)
+                else:
+                    future.set_result(item)
+
+            return listener
+
+        self.submit(prompts, params, [settle(f) for f in futures], is_streaming=False)
+        return [future.result() for future in futures]
+
+    def submit(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        listeners: Sequence[Listener],
+        *,
+        is_streaming: bool,
+    ) -> list[int]:
+        """Queues every prompt, each with its listener; returns the request ids. All or none:
+        a refused request (asleep, too long, ...) queues nothing and raises here."""
+
+        def add() -> list[int]:
             self.engine.check_can_generate()
-            ids = []
+            ids: list[int] = []
             try:
                 for prompt in prompts:
                     ids.append(self.engine.add_request(prompt, params))
             except BaseException:
                 self.engine.abort_request(ids)
                 raise
-            futures = [Future[RequestOutput]() for _ in ids]
-            self._pending.update((str(i), f) for i, f in zip(ids, futures, strict=True))
-            return futures
+            for request_id, listener in zip(ids, listeners, strict=True):
+                self._requests[str(request_id)] = _Request(listener, is_streaming)
+            return ids
 
-        return [future.result() for future in self.call(add)]
+        return self.call(add)
+
+    def abort(self, request_ids: Sequence[int]) -> None:
+        """Aborts requests (their listeners get the final, aborted outputs)."""
+        self.call(lambda: self._deliver(self.engine.abort_request(request_ids)))
 
     def sleep(self, level: int, mode: str) -> None:
         self.call(lambda: self._deliver(self.engine.sleep(level, mode)))
@@ -76,7 +115,7 @@ class EngineLoop:
         return future.result()
 
     def stop(self) -> None:
-        """Stops the loop; requests still waiting fail with ``EngineStoppedError``."""
+        """Stops the loop; requests still running get ``EngineStoppedError``."""
         if not self._is_stopped:
             self.call(self._stop)
             self._thread.join()
@@ -85,9 +124,7 @@ class EngineLoop:
         with self._stop_lock:
             self._is_stopped = True
         self.engine.abort_request()
-        for future in self._pending.values():
-            future.set_exception(EngineStoppedError("the server is shutting down"))
-        self._pending.clear()
+        self._fail_all(EngineStoppedError("the server is shutting down"))
 
     def _run(self) -> None:
         while not self._is_stopped:
@@ -99,9 +136,9 @@ class EngineLoop:
                 self._deliver(self.engine.step())
             except BaseException as error:  # fail the requests instead of retrying forever
                 self.engine.abort_request()
-                for future in self._pending.values():
-                    future.set_exception(error)
-                self._pending.clear()
+                self._fail_all(error)
+                continue
+            self._send_progress()
         while True:  # commands that raced with the stop
             try:
                 _, future = self._commands.get_nowait()
@@ -127,6 +164,20 @@ class EngineLoop:
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
-            future = self._pending.pop(output.request_id, None)
-            if future is not None:
-                future.set_result(output)
+            request = self._requests.pop(output.request_id, None)
+            if request is not None:
+                request.listener(output)
+
+    def _send_progress(self) -> None:
+        for request_id, request in self._requests.items():
+            if not request.is_streaming:
+                continue
+            output = self.engine.request_output(int(request_id))
+            if output is not None and len(output.outputs[0].token_ids) > request.num_tokens_sent:
+                request.num_tokens_sent = len(output.outputs[0].token_ids)
+                request.listener(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request in self._requests.values():
+            request.listener(error)
+        self._requests.clear()

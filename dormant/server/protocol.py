@@ -2,10 +2,10 @@
 response bodies built from ``RequestOutput``s.
 
 Strict, like the rest of dormant: a field this server does not know is refused, and so is a
-known OpenAI field set to a value it cannot honour (``n > 1``, ``stream``, ``logprobs``,
-penalties, string ``stop``s). Refusing is better than silently generating something else.
-vLLM's extensions are accepted: ``top_k``, ``seed``, ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids``.
+known OpenAI field set to a value it cannot honour (``n > 1``, ``logprobs``, penalties, string
+``stop``s). Refusing is better than silently generating something else. ``stream`` (with
+``stream_options.include_usage``) is supported. vLLM's extensions are accepted: ``top_k``,
+``seed``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ class BadRequestError(ValueError):
 
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
-_COMMON_FIELDS = {"model", "max_tokens", "return_token_ids", "user", *_SAMPLING_FIELDS}
+_COMMON_FIELDS = {"model", "max_tokens", "return_token_ids", "user", "stream", "stream_options"}
+_COMMON_FIELDS |= _SAMPLING_FIELDS
 # Known OpenAI fields, accepted only at the value that means "off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,),
-    "stream": (False,),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "echo": (False,),
@@ -50,27 +50,41 @@ Prompt = str | list[int]
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    prompts: list[Prompt]  # one for chat
+class Options:
+    """How to answer: token ids in the reply, streamed as server-sent events, a usage chunk at
+    the end of a stream."""
+
+    return_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompts: list[Prompt]
     params: SamplingParams
-    return_token_ids: bool
+    options: Options
 
 
-def parse_completion(body: Any) -> GenerationRequest:
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    options: Options
+
+
+def parse_completion(body: Any) -> CompletionRequest:
     """``/v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either."""
     fields = _check_fields(body, COMPLETION_FIELDS, required=("prompt",))
-    return GenerationRequest(
-        _prompts(fields["prompt"]), _params(fields, "max_tokens", 16), _flag(fields)
+    return CompletionRequest(
+        _prompts(fields["prompt"]), _params(fields, "max_tokens", 16), _options(fields)
     )
 
 
-def parse_chat(
-    body: Any, default_max_tokens: int
-) -> tuple[list[dict[str, str]], SamplingParams, bool]:
-    """``/v1/chat/completions``: the messages (each a role and string content), the sampling
-    parameters, and ``return_token_ids``. The prompt is the tokenizer's chat template. Without
-    ``max_completion_tokens``/``max_tokens`` a reply may run to ``default_max_tokens`` (the
-    engine stops every sequence at ``max_model_len`` anyway)."""
+def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
+    """``/v1/chat/completions``: the messages (each a role and string content). The prompt is
+    the tokenizer's chat template. Without ``max_completion_tokens``/``max_tokens`` a reply may
+    run to ``default_max_tokens`` (the engine stops every sequence at ``max_model_len``)."""
     fields = _check_fields(body, CHAT_FIELDS, required=("messages",))
     messages = fields["messages"]
     if not isinstance(messages, list) or not messages:
@@ -81,7 +95,8 @@ def parse_chat(
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise BadRequestError(f"role and content must be strings (text only), got {message!r}")
     key = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-    return [dict(m) for m in messages], _params(fields, key, default_max_tokens), _flag(fields)
+    params = _params(fields, key, default_max_tokens)
+    return ChatRequest([dict(m) for m in messages], params, _options(fields))
 
 
 def completion_response(
@@ -182,11 +197,21 @@ def _params(fields: Mapping[str, Any], max_tokens_key: str, default: int) -> Sam
         raise BadRequestError(str(error)) from error
 
 
-def _flag(fields: Mapping[str, Any]) -> bool:
-    value = fields.get("return_token_ids", False)
-    if not isinstance(value, bool):
-        raise BadRequestError(f"return_token_ids must be a bool, got {value!r}")
-    return value
+def _options(fields: Mapping[str, Any]) -> Options:
+    stream_options = fields.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+        raise BadRequestError(f"stream_options may only hold include_usage, got {stream_options!r}")
+    flags = {
+        "return_token_ids": fields.get("return_token_ids", False),
+        "stream": fields.get("stream", False),
+        "include_usage": stream_options.get("include_usage", False),
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise BadRequestError(f"{name} must be a bool, got {value!r}")
+    if flags["include_usage"] and not flags["stream"]:
+        raise BadRequestError("stream_options is only allowed with stream=true")
+    return Options(**flags)
 
 
 def _is_token(value: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -145,7 +146,8 @@ def test_collective_rpc_and_sglang_names(server) -> None:
     ("fields", "message"),
     [
         ({"n": 2}, "n=2 is not supported"),
-        ({"stream": True}, "stream=True is not supported"),
+        ({"stream": "yes"}, "stream must be a bool"),
+        ({"stream_options": {"include_usage": True}}, "only allowed with stream=true"),
         ({"temprature": 0.5}, "unknown field"),
         ({"temperature": -1.0}, "temperature must be >= 0"),
         ({"prompt": []}, "prompt must be"),
@@ -158,6 +160,74 @@ def test_bad_requests_are_refused_with_400(server, fields, message) -> None:
     status, reply = complete(server, fields.pop("prompt", PROMPTS[0]), **fields)
     assert status == 400, reply
     assert message in reply["error"]["message"]
+
+
+def events(server: DormantServer, path: str, body: Any) -> list[Any]:
+    """The JSON events of a server-sent-event reply, up to ``data: [DONE]``."""
+    host, port = server.server_address[:2]
+    request = urllib.request.Request(
+        f"http://{host}:{port}{path}", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.headers["Content-Type"] == "text/event-stream"
+        lines = [line.decode().strip() for line in reply]
+    payloads = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def test_streamed_completions_add_up_to_the_whole(server, expected) -> None:
+    body = {"prompt": PROMPTS, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}, **GREEDY}  # fmt: skip
+    chunks = events(server, "/v1/completions", body)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 36
+    streamed = [[] for _ in PROMPTS]
+    reasons = [None] * len(PROMPTS)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        assert reasons[choice["index"]] is None  # nothing after a choice's last chunk
+        streamed[choice["index"]] += choice["token_ids"]
+        reasons[choice["index"]] = choice["finish_reason"]
+    assert [tuple(t) for t in streamed] == expected and reasons == ["length"] * 3
+    assert len(chunks) > 2 * len(PROMPTS)  # it did stream: more than one chunk per choice
+    status, whole = complete(server, "hello")
+    pieces = events(server, "/v1/completions", {"prompt": "hello", "stream": True, **GREEDY})
+    assert (
+        status == 200
+        and "".join(c["choices"][0]["text"] for c in pieces) == whole["choices"][0]["text"]
+    )
+
+
+def test_a_client_that_goes_away_aborts_its_stream(server, monkeypatch) -> None:
+    import http.client
+
+    finals: list[Any] = []
+    deliver = server.loop._deliver
+    monkeypatch.setattr(server.loop, "_deliver", lambda outputs: (finals.extend(outputs),
+                                                                  deliver(outputs)))  # fmt: skip
+    engine = server.llm.llm_engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.005), step())[1])  # 240 steps: >1 s
+    host, port = server.server_address[:2]
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    body = {"prompt": PROMPTS[0], "stream": True, "max_tokens": 240, "temperature": 1.0,
+            "ignore_eos": True}  # fmt: skip
+    connection.request("POST", "/v1/completions", json.dumps(body))
+    reply = connection.getresponse()
+    assert reply.readline().startswith(b"data: ")  # streaming has started
+    reply.close()  # and the client leaves
+    connection.close()
+    while server.loop.call(engine.has_unfinished_requests):
+        threading.Event().wait(0.01)
+    (final,) = finals
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) < 240
+
+
+def test_a_stream_refused_while_asleep_is_a_plain_error(server) -> None:
+    assert call(server, "POST", "/sleep?level=1")[0] == 200
+    status, reply = complete(server, PROMPTS[0], stream=True)
+    assert status == 503 and reply["error"]["type"] == "EngineAsleepError"
+    assert call(server, "POST", "/wake_up")[0] == 200
 
 
 def test_chat_needs_a_chat_template(server) -> None:
@@ -198,6 +268,7 @@ def test_chat_completions_use_the_chat_template(tmp_path: Path) -> None:
         body = {"messages": messages, "max_completion_tokens": 6, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True}  # fmt: skip
         status, reply = call(server, "POST", "/v1/chat/completions", body)
+        streamed_chat = events(server, "/v1/chat/completions", {**body, "stream": True})
     finally:
         server.shutdown()
         server.server_close()
@@ -208,6 +279,11 @@ def test_chat_completions_use_the_chat_template(tmp_path: Path) -> None:
     assert tuple(choice["token_ids"]) == expected.token_ids
     assert choice["message"] == {"role": "assistant", "content": expected.text}
     assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 6
+    assert streamed_chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["choices"][0]["delta"]["content"] for c in streamed_chat)
+    assert content == expected.text
+    assert streamed_chat[-1]["choices"][0]["finish_reason"] == "length"
+    assert {c["object"] for c in streamed_chat} == {"chat.completion.chunk"}
 
 
 def test_dormant_serve_command(checkpoint: Path) -> None:
