@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -46,6 +47,8 @@ from dormant.server.protocol import (
 )
 from dormant.server.streaming import Stream
 
+Query = dict[str, list[str]]
+Route = Callable[[Query, Any], Any]
 # update_weights takes tensors, which JSON cannot carry: refit over HTTP from disk instead.
 _RPC_OVER_HTTP = {"wake_up", "reload_weights", "memory_status", "kv_cache_scales", "audit",
                   "verify_guards", "check_health"}  # fmt: skip
@@ -58,62 +61,87 @@ class DormantServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], llm: LLM, model_name: str) -> None:
         self.llm, self.model_name = llm, model_name
-        self.loop = EngineLoop(llm.llm_engine)
+        self.engine = llm.llm_engine
+        self.loop = EngineLoop(self.engine)
+        self._routes: dict[tuple[str, str], Route] = {
+            ("GET", "/health"): lambda query, body: self.loop.call(dict),
+            ("GET", "/v1/models"): self._models,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/sleep"): self._sleep,
+            ("POST", "/wake_up"): self._wake_up,
+            ("GET", "/is_sleeping"): lambda query, body: {
+                "is_sleeping": self.loop.call(self.engine.is_sleeping)
+            },
+            ("POST", "/collective_rpc"): self._collective_rpc,
+            ("POST", "/release_memory_occupation"): self._release,
+            ("POST", "/resume_memory_occupation"): self._resume,
+            ("POST", "/update_weights_from_disk"): self._update_weights_from_disk,
+        }
         super().__init__(address, _Handler)
 
     def server_close(self) -> None:
         super().server_close()
         self.loop.stop()
 
-    def handle(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> Any:
-        """The JSON reply to one request; raises to make an error reply."""
-        route = (method, path)
-        engine = self.llm.llm_engine
-        if route == ("GET", "/health"):
-            return self.loop.call(lambda: {})
-        if route == ("GET", "/v1/models"):
-            max_len = engine.config.max_model_len
-            card = {"id": self.model_name, "object": "model", "owned_by": "dormant"}
-            return {"object": "list", "data": [{**card, "max_model_len": max_len}]}
-        if route == ("POST", "/v1/completions"):
-            request = parse_completion(body)
-            if request.options.stream:
-                return self._stream("completion", request.prompts, request.params, request.options)
-            outputs = self.loop.generate(request.prompts, request.params)
-            return completion_response(outputs, self.model_name, request.options.return_token_ids)
-        if route == ("POST", "/v1/chat/completions"):
-            chat = parse_chat(body, engine.config.max_model_len)
-            prompt = engine.tokenizer.apply_chat_template(chat.messages)
-            if chat.options.stream:
-                return self._stream("chat", [prompt], chat.params, chat.options)
-            output = self.loop.generate([prompt], chat.params)[0]
-            return chat_response(output, self.model_name, chat.options.return_token_ids)
-        if route == ("POST", "/sleep"):
-            level = _one(query, "level", "1")
-            if not level.isdigit():
-                raise BadRequestError(f"level must be 0, 1 or 2, got {level!r}")
-            self.loop.sleep(int(level), _one(query, "mode", "abort"))
-            return {}
-        if route == ("POST", "/wake_up"):
-            tags = query.get("tags") or None
-            self.loop.call(lambda: engine.wake_up(tags))
-            return {}
-        if route == ("GET", "/is_sleeping"):
-            return {"is_sleeping": self.loop.call(engine.is_sleeping)}
-        if route == ("POST", "/collective_rpc"):
-            return {"results": _jsonable(self._collective_rpc(body))}
-        if route in {("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation")}:
-            tags = _optional_tags(body)
-            release = path == "/release_memory_occupation"
-            self.loop.call(lambda: engine.release(tags) if release else engine.wake_up(tags))
-            return {}
-        if route == ("POST", "/update_weights_from_disk"):
-            path_field = body.get("model_path") if isinstance(body, dict) else None
-            if not isinstance(path_field, str):
-                raise BadRequestError('update_weights_from_disk needs {"model_path": "..."}')
-            self.loop.call(lambda: engine.reload_weights(path_field))
-            return {"success": True}
-        raise LookupError(f"no route {method} {path}")
+    def handle(self, method: str, path: str, query: Query, body: Any) -> Any:
+        """The reply to one request (JSON, or a ``Stream``); raises to make an error reply."""
+        route = self._routes.get((method, path))
+        if route is None:
+            raise LookupError(f"no route {method} {path}")
+        return route(query, body)
+
+    def _models(self, query: Query, body: Any) -> Any:
+        card = {"id": self.model_name, "object": "model", "owned_by": "dormant"}
+        return {"object": "list", "data": [{**card, "max_model_len": self._max_model_len}]}
+
+    def _completions(self, query: Query, body: Any) -> Any:
+        request = parse_completion(body)
+        if request.options.stream:
+            return self._stream("completion", request.prompts, request.params, request.options)
+        outputs = self.loop.generate(request.prompts, request.params)
+        return completion_response(outputs, self.model_name, request.options.return_token_ids)
+
+    def _chat(self, query: Query, body: Any) -> Any:
+        chat = parse_chat(body, self._max_model_len)
+        prompt = self.engine.tokenizer.apply_chat_template(chat.messages)
+        if chat.options.stream:
+            return self._stream("chat", [prompt], chat.params, chat.options)
+        output = self.loop.generate([prompt], chat.params)[0]
+        return chat_response(output, self.model_name, chat.options.return_token_ids)
+
+    def _sleep(self, query: Query, body: Any) -> Any:
+        level = _one(query, "level", "1")
+        if not level.isdigit():
+            raise BadRequestError(f"level must be 0, 1 or 2, got {level!r}")
+        self.loop.sleep(int(level), _one(query, "mode", "abort"))
+        return {}
+
+    def _wake_up(self, query: Query, body: Any) -> Any:
+        tags = query.get("tags") or None
+        self.loop.call(lambda: self.engine.wake_up(tags))
+        return {}
+
+    def _release(self, query: Query, body: Any) -> Any:
+        tags = _optional_tags(body)
+        self.loop.call(lambda: self.engine.release(tags))
+        return {}
+
+    def _resume(self, query: Query, body: Any) -> Any:
+        tags = _optional_tags(body)
+        self.loop.call(lambda: self.engine.wake_up(tags))
+        return {}
+
+    def _update_weights_from_disk(self, query: Query, body: Any) -> Any:
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(path, str):
+            raise BadRequestError('update_weights_from_disk needs {"model_path": "..."}')
+        self.loop.call(lambda: self.engine.reload_weights(path))
+        return {"success": True}
+
+    @property
+    def _max_model_len(self) -> int:
+        return self.engine.config.max_model_len
 
     def _stream(
         self, kind: str, prompts: list[Prompt], params: SamplingParams, options: Options
@@ -122,7 +150,7 @@ class DormantServer(ThreadingHTTPServer):
         stream.open(prompts, params)  # a refusal raises here, before anything is sent
         return stream
 
-    def _collective_rpc(self, body: Any) -> list[Any]:
+    def _collective_rpc(self, query: Query, body: Any) -> Any:
         if not isinstance(body, dict) or not isinstance(body.get("method"), str):
             raise BadRequestError(
                 'collective_rpc needs {"method": ..., "args": [...], "kwargs": {}}'
@@ -130,14 +158,14 @@ class DormantServer(ThreadingHTTPServer):
         method, args, kwargs = body["method"], body.get("args", []), body.get("kwargs", {})
         if method == "sleep":  # through the loop, so that requests it aborts are answered
             self.loop.sleep(*args, **kwargs)
-            return [None] * self.llm.llm_engine.executor.world_size
+            return {"results": [None] * self.engine.executor.world_size}
         if method not in _RPC_OVER_HTTP:
             raise BadRequestError(
                 f"collective_rpc over HTTP allows {sorted({'sleep', *_RPC_OVER_HTTP})}; "
                 f"got {method!r} (refit with /update_weights_from_disk)"
             )
-        engine = self.llm.llm_engine
-        return self.loop.call(lambda: engine.collective_rpc(method, args, kwargs))
+        results = self.loop.call(lambda: self.engine.collective_rpc(method, args, kwargs))
+        return {"results": _jsonable(results)}
 
 
 class _Handler(BaseHTTPRequestHandler):

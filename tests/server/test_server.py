@@ -133,6 +133,10 @@ def test_a_sleep_answers_the_requests_it_aborts(server) -> None:
 def test_collective_rpc_and_sglang_names(server) -> None:
     status, reply = call(server, "POST", "/collective_rpc", {"method": "memory_status"})
     assert status == 200 and reply["results"][0]["tags"]
+    status, reply = call(server, "POST", "/collective_rpc", {"method": "sleep", "args": [1]})
+    assert status == 200 and call(server, "GET", "/is_sleeping")[1] == {"is_sleeping": True}
+    assert call(server, "POST", "/collective_rpc", {"method": "wake_up"})[0] == 200
+    assert call(server, "GET", "/is_sleeping")[1] == {"is_sleeping": False}
     status, reply = call(server, "POST", "/collective_rpc", {"method": "update_weights"})
     assert status == 400 and "update_weights_from_disk" in reply["error"]["message"]
     assert call(server, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
