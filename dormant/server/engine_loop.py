@@ -101,7 +101,7 @@ class EngineLoop:
         """Aborts requests (their listeners get the final, aborted outputs)."""
         self.call(lambda: self._deliver(self.engine.abort_request(request_ids)))
 
-    def sleep(self, level: int, mode: str) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.call(lambda: self._deliver(self.engine.sleep(level, mode)))
 
     def call(self, fn: Callable[[], T]) -> T:
