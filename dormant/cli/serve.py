@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from typing import Any
 
 # Engine options on the command line, as vLLM spells them: (flag, type, help).
@@ -43,6 +45,9 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, enforce_eager=args.enforce_eager, **options)
     server = DormantServer((args.host, args.port), llm, args.served_model_name or args.model)
     host, port = server.server_address[:2]
+    # SIGTERM (what process managers send) stops the server as Ctrl-C does: shutdown() waits
+    # for serve_forever to return, so it must run on another thread than the handler's.
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     print(f"dormant: serving {args.model} on http://{host}:{port}/v1", flush=True)
     try:
         server.serve_forever()

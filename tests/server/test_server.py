@@ -290,8 +290,10 @@ def test_chat_completions_use_the_chat_template(tmp_path: Path) -> None:
     assert {c["object"] for c in streamed_chat} == {"chat.completion.chunk"}
 
 
-def test_dormant_serve_command(checkpoint: Path) -> None:
-    """``dormant serve`` end to end: it prints its address, answers, and stops on Ctrl-C."""
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_dormant_serve_command(checkpoint: Path, stop_signal: str) -> None:
+    """``dormant serve`` end to end: it prints its address, answers, and stops cleanly on
+    Ctrl-C and on SIGTERM."""
     import re
     import signal
     import subprocess
@@ -315,5 +317,5 @@ def test_dormant_serve_command(checkpoint: Path) -> None:
         with urllib.request.urlopen(request, timeout=60) as reply:
             assert json.loads(reply.read())["usage"]["completion_tokens"] == 12
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(getattr(signal, stop_signal))
         assert process.wait(timeout=60) == 0
