@@ -24,11 +24,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("server_ckpt"), seed=1)
-
-
 @pytest.fixture(scope="module", params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return request.param

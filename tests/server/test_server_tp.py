@@ -11,33 +11,25 @@ import pytest
 
 from dormant import LLM, SamplingParams
 from dormant.server import DormantServer
-from tests.engine.conftest import PROMPTS, write_checkpoint
+from tests.engine.conftest import PROMPTS
 from tests.server.test_server import GREEDY, call, complete, events
 
 OPTIONS = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return (
-        write_checkpoint(tmp_path_factory.mktemp("tp_server_a"), seed=1),
-        write_checkpoint(tmp_path_factory.mktemp("tp_server_b"), seed=2),
-    )
-
-
-@pytest.fixture(scope="module")
-def expected(checkpoints: tuple[Path, Path]) -> dict[str, list[tuple[int, ...]]]:
+def expected(checkpoint: Path, other_checkpoint: Path) -> dict[str, list[tuple[int, ...]]]:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     result = {}
-    for name, path in zip("ab", checkpoints, strict=True):
+    for name, path in zip("ab", (checkpoint, other_checkpoint), strict=True):
         with LLM(str(path), **OPTIONS) as llm:
             result[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     return result
 
 
 @pytest.fixture
-def server(checkpoints, expected) -> Iterator[DormantServer]:
-    llm = LLM(str(checkpoints[0]), tensor_parallel_size=2, **OPTIONS)
+def server(checkpoint: Path, expected) -> Iterator[DormantServer]:
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, **OPTIONS)
     server = DormantServer(("127.0.0.1", 0), llm, "tp2")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
@@ -46,7 +38,7 @@ def server(checkpoints, expected) -> Iterator[DormantServer]:
     llm.shutdown()
 
 
-def test_tp2_server_equals_tp1_through_an_rl_cycle(server, expected, checkpoints) -> None:
+def test_tp2_server_equals_tp1_through_an_rl_cycle(server, expected, other_checkpoint) -> None:
     def token_ids(reply) -> list[tuple[int, ...]]:
         return [tuple(c["token_ids"]) for c in reply["choices"]]
 
@@ -57,7 +49,7 @@ def test_tp2_server_equals_tp1_through_an_rl_cycle(server, expected, checkpoints
     assert tuple(t for c in chunks for t in c["choices"][0]["token_ids"]) == expected["a"][0]
     assert call(server, "POST", "/sleep?level=2")[0] == 200
     assert call(server, "POST", "/wake_up?tags=weights")[0] == 200
-    body = {"model_path": str(checkpoints[1])}  # the "trainer" produced new weights
+    body = {"model_path": str(other_checkpoint)}  # the "trainer" produced new weights
     assert call(server, "POST", "/update_weights_from_disk", body)[0] == 200
     assert call(server, "POST", "/wake_up?tags=kv_cache")[0] == 200
     status, reply = complete(server, PROMPTS)
