@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import GiB, Recorder, environment, table
 from dormant import LLM, SamplingParams
-from dormant.engine.step_input import SeqInput, StepInput
+from dormant.core.step_input import SeqInput, StepInput
 from dormant.layers.kernels import IS_TRITON_ENABLED
 from dormant.models import ModelConfig
 

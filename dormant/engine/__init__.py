@@ -1,7 +1,7 @@
 """``dormant.engine``: a compact vLLM-style engine built on ``dormant.memory``."""
 
-from dormant.engine.config import EngineConfig
-from dormant.engine.errors import (
+from dormant.core.config import EngineConfig
+from dormant.core.errors import (
     EngineAsleepError,
     EngineDeadError,
     EngineError,
@@ -10,10 +10,10 @@ from dormant.engine.errors import (
     UnknownRpcMethodError,
     WeightsNotLoadedError,
 )
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import CompletionOutput, RequestOutput
-from dormant.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

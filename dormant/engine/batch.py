@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dormant.core.step_input import SeqInput, StepInput
 from dormant.engine.sequence import Sequence
 
 
@@ -69,3 +70,24 @@ class ScheduledBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seqs)
+
+    def step_input(self) -> StepInput:
+        """What the workers compute for this batch: plain data, no ``Sequence`` objects."""
+        seqs = []
+        for seq in self.seqs:
+            if self.is_prefill:
+                start = seq.num_computed_tokens
+                token_ids = tuple(seq.token_ids[start:])
+            else:
+                start, token_ids = seq.num_tokens - 1, (seq.last_token_id,)
+            seqs.append(
+                SeqInput(
+                    token_ids=token_ids,
+                    start_position=start,
+                    block_table=tuple(seq.block_table),
+                    params=seq.params,
+                    seed=seq.seed,
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        return StepInput(tuple(seqs), self.is_prefill)

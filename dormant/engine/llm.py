@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from dormant.engine.config import EngineConfig
+from dormant.core.config import EngineConfig
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
-from dormant.engine.sampling_params import SamplingParams
 from dormant.memory import AuditReport, MemoryStatus
 from dormant.models import ModelConfig
 

@@ -21,25 +21,24 @@ from typing import Any
 
 import torch
 
-from dormant.engine.batch import SchedulerConfig
-from dormant.engine.block_manager import BlockManager
-from dormant.engine.commands import PUBLIC_RPC, Command
-from dormant.engine.config import EngineConfig
-from dormant.engine.errors import (
+from dormant.core.commands import PUBLIC_RPC, Command
+from dormant.core.config import EngineConfig
+from dormant.core.errors import (
     EngineAsleepError,
     SleepLevelConflictError,
     SleepModeDisabledError,
     UnknownRpcMethodError,
     WeightsNotLoadedError,
 )
-from dormant.engine.executor import Executor, make_executor
+from dormant.core.sampling_params import SamplingParams
+from dormant.engine.batch import SchedulerConfig
+from dormant.engine.block_manager import BlockManager
 from dormant.engine.outputs import CompletionOutput, RequestOutput
-from dormant.engine.sampling_params import SamplingParams
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import Sequence as Seq
 from dormant.engine.sequence import SequenceFactory
-from dormant.engine.step_input import StepInput
 from dormant.engine.tokenizer import Tokenizer, load_tokenizer
+from dormant.executors import Executor, make_executor
 from dormant.memory import CUDA_GRAPH, KV_CACHE, LEVELS, RUNTIME, WEIGHTS, WORKSPACE, Policy
 
 SLEEP_LEVELS = (0, 1, 2)
@@ -146,7 +145,7 @@ class LLMEngine:
         self.check_can_generate()
         batch = self.scheduler.schedule()
         assert batch is not None
-        step = StepInput.from_batch(batch)
+        step = batch.step_input()
         try:
             if batch.num_steps > 1:  # greedy decode: the fused multi-step graph
                 tokens = self.executor.execute_multi_step(step)

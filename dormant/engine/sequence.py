@@ -7,7 +7,7 @@ import itertools
 import random
 from collections.abc import Iterable
 
-from dormant.engine.sampling_params import SamplingParams
+from dormant.core.sampling_params import SamplingParams
 
 # Seeds drawn for unseeded requests are uniform over the 64-bit range the sampler hashes.
 _NUM_SEED_BITS = 64

@@ -31,9 +31,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from dormant.engine.errors import EngineAsleepError
+from dormant.core.errors import EngineAsleepError
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.llm import LLM
-from dormant.engine.sampling_params import SamplingParams
 from dormant.memory.errors import SleepConflictError, TagAsleepError, WakeOutOfMemoryError
 from dormant.server.engine_loop import EngineLoop, EngineStoppedError
 from dormant.server.protocol import (

@@ -19,9 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
-from dormant.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
 Listener = Callable[[RequestOutput | BaseException], None]

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.outputs import RequestOutput
-from dormant.engine.sampling_params import SamplingParams
 
 
 class BadRequestError(ValueError):

@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.outputs import RequestOutput
-from dormant.engine.sampling_params import SamplingParams
 from dormant.server.engine_loop import EngineLoop
 from dormant.server.protocol import Options, Prompt
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dormant.distributed.executor import MultiprocExecutor
+from dormant.core.commands import Command
 from dormant.engine import EngineDeadError
-from dormant.engine.commands import Command
+from dormant.executors.multiproc import MultiprocExecutor
 
 
 class BrokenConnection:

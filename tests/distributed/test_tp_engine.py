@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dormant import LLM, SamplingParams
-from dormant.distributed.executor import free_port
 from dormant.engine import EngineDeadError
+from dormant.executors.multiproc import free_port
 from tests.engine.conftest import GREEDY, PROMPTS, SEEDED, hf_state_dict, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.block_manager import (
     AlreadyAllocatedError,
     BlockManager,
@@ -13,7 +14,6 @@ from dormant.engine.block_manager import (
     BlockOwnershipError,
     OutOfBlocksError,
 )
-from dormant.engine.sampling_params import SamplingParams
 from dormant.engine.sequence import Sequence
 
 

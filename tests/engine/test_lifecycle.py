@@ -120,11 +120,11 @@ def test_kv_wake_does_not_run_recovery(make_llm, checkpoint) -> None:
     scales = [layer.k_scale for layer in worker.model.attention_layers()]
     snapshot = [(t, t.data_ptr()) for t in (*inputs, *caches, *scales)]
     forbidden = [
-        "dormant.engine.worker.allocate_kv_cache",
-        "dormant.engine.worker.ModelRunner",
-        "dormant.engine.model_runner.InputBuffers",
-        "dormant.engine.worker.Worker.init_kv_cache",
-        "dormant.engine.worker.Worker.load_model",
+        "dormant.worker.worker.allocate_kv_cache",
+        "dormant.worker.worker.ModelRunner",
+        "dormant.worker.model_runner.InputBuffers",
+        "dormant.worker.worker.Worker.init_kv_cache",
+        "dormant.worker.worker.Worker.load_model",
     ]
     patches = [
         mock.patch(target, side_effect=AssertionError(f"{target} ran")) for target in forbidden

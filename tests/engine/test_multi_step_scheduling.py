@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
-from dormant.engine.sampling_params import SamplingParams
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import FinishReason, Sequence, SequenceFactory
 

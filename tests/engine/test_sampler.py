@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 
-from dormant.engine.sampler import (
+from dormant.core.sampling_params import SamplingParams
+from dormant.engine.sequence import Sequence
+from dormant.worker.sampler import (
     SamplingTensors,
     _mix32,
     exponential_noise,
     noise_keys,
     sample,
 )
-from dormant.engine.sampling_params import SamplingParams
-from dormant.engine.sequence import Sequence
 
 VOCAB_SIZE = 50
 

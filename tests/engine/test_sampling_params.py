@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dormant.engine.sampling_params import SamplingParams
+from dormant.core.sampling_params import SamplingParams
 
 
 def test_defaults_mirror_vllm() -> None:

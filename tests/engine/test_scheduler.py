@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
-from dormant.engine.sampling_params import SamplingParams
 from dormant.engine.scheduler import (
     DuplicateSequenceError,
     RequestTooLongError,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dormant.engine.sampling_params import SamplingParams
+from dormant.core.sampling_params import SamplingParams
 from dormant.engine.sequence import (
     FinishReason,
     Sequence,

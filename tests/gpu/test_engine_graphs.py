@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dormant import LLM, SamplingParams
+from dormant.core.step_input import StepInput
 from dormant.engine.batch import ScheduledBatch
-from dormant.engine.step_input import StepInput
 from tests.engine.conftest import PROMPTS, write_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +64,7 @@ def multi_step_tokens(llm: LLM) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()  # the prefill: KV for every prompt, one token each
     running = [engine.scheduler._unfinished_by_id[i] for i in ids]
-    step = StepInput.from_batch(ScheduledBatch(tuple(running), False, len(running)))
+    step = ScheduledBatch(tuple(running), False, len(running)).step_input()
     result = engine.executor.worker.execute_multi_step(step)
     engine.abort_request(ids)
     return [[seq.output_token_ids[0], *toks] for seq, toks in zip(running, result, strict=True)]

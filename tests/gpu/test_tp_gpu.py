@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from dormant import LLM, SamplingParams
+from dormant.core.commands import Command
 from dormant.engine.batch import ScheduledBatch
-from dormant.engine.commands import Command
-from dormant.engine.step_input import StepInput
 from tests.engine.conftest import PROMPTS, write_checkpoint
 
 pytestmark = [
@@ -31,7 +30,7 @@ def multi_step(llm: LLM) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()
     running = [engine.scheduler._unfinished_by_id[i] for i in ids]
-    step = StepInput.from_batch(ScheduledBatch(tuple(running), False, len(running)))
+    step = ScheduledBatch(tuple(running), False, len(running)).step_input()
     per_rank = engine.executor.run(Command.EXECUTE_MULTI_STEP, step)
     engine.abort_request(ids)
     assert per_rank[0] == per_rank[1]  # every rank sampled the same tokens

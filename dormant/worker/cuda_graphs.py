@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dormant.engine.input_buffers import InputBuffers
 from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import RUNTIME, MemoryManager
 from dormant.models import CausalLM
+from dormant.worker.input_buffers import InputBuffers
 
 
 @dataclass(frozen=True)

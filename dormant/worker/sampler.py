@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dormant.engine.sequence import Sequence
+from dormant.core.step_input import SeqInput
 
 _MASK_32 = 0xFFFFFFFF
 _MASK_64 = (1 << 64) - 1
@@ -59,7 +59,7 @@ class SamplingTensors:
 
     @classmethod
     def from_sequences(
-        cls, seqs: SequenceOf[Sequence], vocab_size: int, device: torch.device | str
+        cls, seqs: SequenceOf[SeqInput], vocab_size: int, device: torch.device | str
     ) -> SamplingTensors:
         """Build the rows for ``seqs`` (one row each, in order) on ``device``.
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dormant.engine.config import EngineConfig
-from dormant.engine.step_input import StepInput
+from dormant.core.config import EngineConfig
+from dormant.core.step_input import StepInput
 from dormant.layers.context import AttentionMetadata
 from dormant.memory import RUNTIME, MemoryManager
 

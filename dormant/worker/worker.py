@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
+from dormant.core.commands import Command
+from dormant.core.config import EngineConfig
+from dormant.core.errors import EngineAsleepError
+from dormant.core.step_input import StepInput
 from dormant.distributed.parallel_state import all_reduce_min
-from dormant.engine.commands import Command
-from dormant.engine.config import EngineConfig
-from dormant.engine.errors import EngineAsleepError
-from dormant.engine.kv_cache import allocate_kv_cache, kv_cache_spec
-from dormant.engine.model_runner import ModelRunner
-from dormant.engine.step_input import StepInput
 from dormant.memory import RUNTIME, WEIGHTS, AuditReport, MemoryManager, MemoryStatus
 from dormant.models import CausalLM, build_model, iterate_safetensors, iterate_safetensors_metadata
+from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
+from dormant.worker.model_runner import ModelRunner
 
 DEFAULT_HOST_KV_BYTES = 64 << 20
 

@@ -1,10 +1,9 @@
-"""Executors for tensor parallelism on one host.
+"""``MultiprocExecutor``: tensor parallelism on one host, one worker process per rank.
 
-``MultiprocExecutor`` starts one worker process per rank (spawned, on a free port), sends each
+It starts one worker process per rank (spawned, on a free port), sends each
 the same typed command, and gathers the results in rank order; it doubles as a barrier. A worker
 that dies or stops answering makes every later call raise ``EngineDeadError`` and shuts the
-others down. ``ExternalLauncherExecutor`` is for ``torchrun``: the process is one rank and every
-rank runs the same engine loop in lockstep (scheduling and sampling are deterministic).
+others down.
 """
 
 from __future__ import annotations
@@ -17,15 +16,11 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch
-
-from dormant.distributed.worker_process import init_distributed, worker_main
-from dormant.engine.commands import Command
-from dormant.engine.config import EngineConfig
-from dormant.engine.errors import EngineDeadError
-from dormant.engine.executor import UniprocExecutor
-from dormant.engine.step_input import StepInput
-from dormant.engine.worker import Worker
+from dormant.core.commands import Command
+from dormant.core.config import EngineConfig
+from dormant.core.errors import EngineDeadError
+from dormant.core.step_input import StepInput
+from dormant.executors.worker_process import worker_main
 
 STARTUP_TIMEOUT_S = 600.0
 COMMAND_TIMEOUT_S = 1800.0
@@ -126,20 +121,3 @@ def _stop(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> N
             process.join(timeout=5)
     for conn in conns:
         conn.close()
-
-
-class ExternalLauncherExecutor(UniprocExecutor):
-    """One rank of an engine started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``):
-    an in-process executor whose worker is this process's rank."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        world_size = int(os.environ["WORLD_SIZE"])
-        if world_size != config.tensor_parallel_size:
-            raise ValueError(
-                f"torchrun started {world_size} processes but tensor_parallel_size is "
-                f"{config.tensor_parallel_size}"
-            )
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        init_distributed(int(os.environ["RANK"]), world_size, "env://", on_gpu)
-        super().__init__(config, Worker(config, local_rank, world_size))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dormant.engine.config import EngineConfig
+from dormant.core.config import EngineConfig
 from dormant.memory import KV_CACHE, MemoryManager
 from dormant.models import CausalLM
 

@@ -19,9 +19,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from dormant.core.commands import Command
+from dormant.core.config import EngineConfig
 from dormant.distributed.parallel_state import DistributedTPGroup, init_tp_group
-from dormant.engine.commands import Command
-from dormant.engine.config import EngineConfig
 
 _PR_SET_PDEATHSIG = 1
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -59,7 +59,7 @@ def worker_main(
     conn: Connection,
     parent_pid: int,
 ) -> None:
-    from dormant.engine.worker import Worker  # after the fork/spawn: nothing imported twice
+    from dormant.worker.worker import Worker  # after the fork/spawn: nothing imported twice
 
     die_with_parent()
     if os.getppid() != parent_pid:

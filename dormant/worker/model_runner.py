@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from dormant.engine.config import EngineConfig
-from dormant.engine.cuda_graphs import DecodeGraphs
-from dormant.engine.input_buffers import InputBuffers
-from dormant.engine.sampler import SamplingTensors, sample
-from dormant.engine.step_input import StepInput
+from dormant.core.config import EngineConfig
+from dormant.core.step_input import StepInput
 from dormant.layers.context import forward_context
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM
+from dormant.worker.cuda_graphs import DecodeGraphs
+from dormant.worker.input_buffers import InputBuffers
+from dormant.worker.sampler import SamplingTensors, sample
 
 
 class ModelRunner:

@@ -1,0 +1,31 @@
+"""``UniprocExecutor``: the single rank hosted in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dormant.core.commands import Command
+from dormant.core.config import EngineConfig
+from dormant.core.step_input import StepInput
+from dormant.worker.worker import Worker
+
+
+class UniprocExecutor:
+    """Hosts one worker in this process (by default the only rank)."""
+
+    world_size = 1  # the ranks this executor talks to: its own
+
+    def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
+        self.worker = worker or Worker(config)
+
+    def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self.worker.handle(command, *args, **kwargs)]
+
+    def execute(self, step: StepInput) -> list[int]:
+        return self.worker.execute(step)
+
+    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+        return self.worker.execute_multi_step(step)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
