@@ -1,0 +1,47 @@
+"""What one engine step returns from the workers: plain, picklable data, one entry per sequence
+of the ``StepInput``, in the same order.
+
+Logprobs follow vLLM's shape once the driver has them: for each sampled token, the sampled
+token's own logprob and rank (1 = most likely) first, then the top ``k`` tokens. The worker
+computes them on the device inside the step and brings them back in the step's one
+event-guarded device-to-host copy, together with the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The logprobs at one position: ``token_ids[0]`` is the sampled (or, for prompt logprobs,
+    the actual next) token, followed by the top-k; ``logprobs`` and ``ranks`` align with it."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    """One sequence's share of a step.
+
+    ``token_ids`` holds one sampled token per decode step run (one, or ``num_steps`` for the
+    fused multi-step graph). ``logprobs`` is None unless the request asked for them; else it has
+    one entry per token in ``token_ids``. ``prompt_logprobs`` is None unless asked for; else it
+    has one entry per prompt position this step computed whose next token is known.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    seqs: tuple[SeqOutput, ...]
+
+    @classmethod
+    def from_token_ids(cls, token_ids: list[list[int]]) -> StepOutput:
+        """An output with tokens only (no logprobs), one list per sequence."""
+        return cls(tuple(SeqOutput(tuple(tokens)) for tokens in token_ids))
