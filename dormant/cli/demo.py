@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from dormant import LLM, SamplingParams
-from dormant.cli.demo_report import copy_limits, print_report
-from dormant.memory import MemoryStatus
+from dormant.cli.demo_report import Timeline, copy_limits, print_report
 from dormant.models import ModelConfig, build_model
 
 SIZES = {
@@ -49,20 +47,6 @@ PROMPTS = [
     "Graphs keep their addresses.",
 ]
 PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, ignore_eos=True)
-
-
-@dataclass
-class Timeline:
-    """Snapshots of device memory by owner, for the report and the plot."""
-
-    start: float = field(default_factory=time.perf_counter)
-    points: list[tuple[float, str, dict[str, int]]] = field(default_factory=list)
-
-    def mark(self, label: str, status: MemoryStatus, trainer_bytes: int = 0) -> None:
-        by_owner = {t.tag: t.mapped_bytes for t in status.tags}
-        by_owner["trainer"] = trainer_bytes
-        by_owner["device in use"] = status.device_used_bytes
-        self.points.append((time.perf_counter() - self.start, label, by_owner))
 
 
 def hf_config(size: str, on_gpu: bool) -> dict[str, object]:

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
 from dormant.memory import MemoryStatus, SleepReport, WakeReport
 
-if TYPE_CHECKING:
-    from dormant.cli.demo import Timeline
-
 MiB = float(1 << 20)
 Step = tuple[str, MemoryStatus, MemoryStatus, SleepReport | WakeReport | None]
+
+
+@dataclass
+class Timeline:
+    """Snapshots of device memory by owner, for the report and the plot."""
+
+    start: float = field(default_factory=time.perf_counter)
+    points: list[tuple[float, str, dict[str, int]]] = field(default_factory=list)
+
+    def mark(self, label: str, status: MemoryStatus, trainer_bytes: int = 0) -> None:
+        by_owner = {t.tag: t.mapped_bytes for t in status.tags}
+        by_owner["trainer"] = trainer_bytes
+        by_owner["device in use"] = status.device_used_bytes
+        self.points.append((time.perf_counter() - self.start, label, by_owner))
 
 
 def copy_limits(device: torch.device, nbytes: int = 1 << 30) -> dict[str, float]:
