@@ -8,10 +8,10 @@ import torch
 from dormant.layers.context import (
     AttentionMetadata,
     ForwardContextError,
-    build_attention_metadata,
     forward_context,
     get_attention_metadata,
 )
+from tests.layers.attention_metadata import build_attention_metadata
 
 
 def _meta() -> AttentionMetadata:

@@ -11,9 +11,9 @@ from torch import Tensor
 from dormant.layers.attention import KVCacheNotSetError, PagedAttention, write_kv_cache
 from dormant.layers.context import (
     ForwardContextError,
-    build_attention_metadata,
     forward_context,
 )
+from tests.layers.attention_metadata import build_attention_metadata
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 8, 2, 16
 # (seq_len, query_len): full prefill, decode, prefill over a cached prefix, first token, decode

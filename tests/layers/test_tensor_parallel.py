@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dormant.distributed import DistributedTPGroup, SingleRankGroup, TPGroup, use_tp_group
-from dormant.layers.context import build_attention_metadata, forward_context
+from dormant.layers.context import forward_context
 from dormant.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from dormant.layers.linear import (
     ColumnParallelLinear,
@@ -29,6 +29,7 @@ from dormant.layers.linear import (
     RowParallelLinear,
 )
 from dormant.models import CausalLM, ModelConfig, build_model
+from tests.layers.attention_metadata import build_attention_metadata
 
 WORLD_SIZE = 2
 

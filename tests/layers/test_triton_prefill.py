@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dormant.layers.attention import paged_attention_reference
-from dormant.layers.context import build_attention_metadata
+from tests.layers.attention_metadata import build_attention_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,8 +19,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dormant.layers.context import build_attention_metadata, forward_context
+from dormant.layers.context import forward_context
 from dormant.models import CausalLM, ModelConfig, build_model, iterate_safetensors
+from tests.layers.attention_metadata import build_attention_metadata
 
 VOCAB_SIZE = 256
 HF_MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
