@@ -13,10 +13,13 @@ from dormant.memory.errors import (
     OutOfMemoryError,
     PointerGuardError,
     SleepConflictError,
+    SleepFailedError,
     StrictModeError,
     TagAsleepError,
+    TransitionFailedError,
     UnknownPolicyError,
     UnknownTagError,
+    WakeFailedError,
     WakeOutOfMemoryError,
 )
 from dormant.memory.manager import MemoryManager
@@ -30,6 +33,7 @@ from dormant.memory.policy import (
     WORKSPACE,
     Policy,
 )
+from dormant.memory.states import State, TagState
 from dormant.memory.status import MemoryStatus, SleepReport, TagStatus, WakeReport
 
 __all__ = [
@@ -53,12 +57,17 @@ __all__ = [
     "PointerGuardError",
     "Policy",
     "SleepConflictError",
+    "SleepFailedError",
     "SleepReport",
+    "State",
     "StrictModeError",
     "TagAsleepError",
+    "TagState",
     "TagStatus",
+    "TransitionFailedError",
     "UnknownPolicyError",
     "UnknownTagError",
+    "WakeFailedError",
     "WakeOutOfMemoryError",
     "WakeReport",
 ]

@@ -13,7 +13,8 @@ import torch
 
 from dormant.memory.ranges import align_up
 
-Spec = tuple[Sequence[int] | torch.Size, torch.dtype]
+Shape = Sequence[int] | torch.Size
+Spec = tuple[Shape, torch.dtype]
 AllocateMany = Callable[[Sequence[Spec], str], list[torch.Tensor]]
 
 
@@ -29,6 +30,13 @@ def tensor_specs(specs: Sequence[Spec], alignment: int) -> tuple[list[tuple[int,
         offset = align_up(offset + nbytes, alignment)
     total = max((o + n for o, n in layout), default=0)
     return layout, total
+
+
+def pack_views(
+    raw: torch.Tensor, specs: Sequence[Spec], layout: Sequence[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """The tensors of ``specs`` viewing the uint8 tensor ``raw`` at ``layout``'s offsets."""
+    return [raw[o : o + n].view(d).view(s) for (s, d), (o, n) in zip(specs, layout, strict=True)]
 
 
 def adopt_module(

@@ -1,13 +1,17 @@
-"""One sleepable allocation: a reserved address range and, while mapped, its physical memory.
+"""One sleepable allocation: a reserved address range and, while it has one, its physical memory.
 
-State machine of one allocation (DESIGN §2.3)::
+State machine of one allocation (DESIGN §2.3; the states are ``states.State``)::
 
-    MAPPED ──sleep HOST──▶ OFFLOADED ──wake──▶ MAPPED
-    MAPPED ──sleep DISCARD─▶ DISCARDED ──wake──▶ MAPPED
-    any state ──free──▶ (gone: VA released, host copy dropped; physical memory only if MAPPED)
+    MAPPED ──unmap──▶ UNMAPPED ──release──▶ OFFLOADED (sleep HOST, after its copy landed)
+                                       └──▶ DISCARDED (sleep DISCARD)
+    UNMAPPED  ──wake: map the kept handle──▶ MAPPED   (contents intact)
+    OFFLOADED ──wake: create, map, copy back──▶ MAPPED
+    DISCARDED ──wake: create, map, zero/poison──▶ MAPPED
+    any state ──free──▶ gone (VA released, host copy dropped, the handle released if held)
 
-The virtual address never changes while the allocation lives; only the physical memory behind it
-comes and goes.
+Every step is recorded as soon as its driver call returns, before the next call is made: an
+``unmap`` that fails leaves the allocation MAPPED with its handle, a ``release`` that fails leaves
+it UNMAPPED with its handle. The virtual address never changes while the allocation lives.
 """
 
 from __future__ import annotations
@@ -18,15 +22,11 @@ from dataclasses import dataclass, field
 
 from dormant.memory.arena import Region
 from dormant.memory.backend import Backend, Span
+from dormant.memory.policy import Policy
 from dormant.memory.ranges import align_up
+from dormant.memory.states import State
 
 _ids = itertools.count()
-
-
-class State(enum.Enum):
-    MAPPED = "mapped"
-    OFFLOADED = "offloaded"
-    DISCARDED = "discarded"
 
 
 class Kind(enum.Enum):
@@ -42,18 +42,26 @@ class Kind(enum.Enum):
 class Allocation:
     """A VA range of ``size`` bytes (a multiple of the granularity) in one tag.
 
-    ``region`` and ``digest`` describe the host copy: ``digest`` is the content hash of the bytes
-    in ``region``, or None when the region holds no valid copy. While MAPPED, ``handle`` is the
-    physical memory; otherwise it is None.
+    Invariants:
+    - ``handle`` is the physical memory, held exactly in the MAPPED and UNMAPPED states; whenever
+      a driver call fails the handle is kept, so it is never lost and never released twice.
+    - ``pending`` is the policy of the sleep an UNMAPPED allocation is on its way into (None in
+      every other state): a later sleep with that policy completes it, another conflicts.
+    - ``region`` is the allocation's place in the host arena, kept for its lifetime once it has
+      one. ``has_host_copy`` says the region holds a complete copy, and ``digest`` (when not
+      None) is that copy's content hash. Both are cleared before a copy into the region starts
+      and set only after it landed, so an OFFLOADED allocation whose copy never completed says so.
     """
 
     tag: str
     va: int
     size: int
     kind: Kind
-    handle: object | None
+    handle: int | None
     state: State = State.MAPPED
+    pending: Policy | None = None
     region: Region | None = None
+    has_host_copy: bool = False
     digest: bytes | None = None
     is_dirty: bool = False
     id: int = field(default_factory=lambda: next(_ids))
@@ -61,6 +69,15 @@ class Allocation:
     @property
     def span(self) -> Span:
         return Span(self.va, self.size)
+
+    @property
+    def policy(self) -> Policy | None:
+        """The policy this allocation is asleep with, or on its way into; None while MAPPED."""
+        if self.state is State.OFFLOADED:
+            return Policy.HOST
+        if self.state is State.DISCARDED:
+            return Policy.DISCARD
+        return self.pending
 
     def contains(self, address: int) -> bool:
         return self.va <= address < self.va + self.size
@@ -87,11 +104,14 @@ def destroy_allocation(backend: Backend, allocation: Allocation) -> None:
     """Frees the allocation in any state; never releases anything twice.
 
     A mapped allocation is unmapped only after the device is idle: a kernel may still be reading
-    memory whose last tensor just died.
+    memory whose last tensor just died. Each step is recorded as it lands, so a failure leaves
+    the allocation truthfully described (and still owning what it owns).
     """
     if allocation.state is State.MAPPED:
         backend.synchronize()
         backend.unmap(allocation.va, allocation.size)
+        allocation.state = State.UNMAPPED
+    if allocation.handle is not None:
         backend.release(allocation.handle)
-    allocation.handle = None
+        allocation.handle = None
     backend.free_reservation(allocation.va, allocation.size)

@@ -11,7 +11,6 @@ skip the copy. Growth adds chunks; it never moves a region.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -52,7 +51,6 @@ class HostArena:
         self.chunk_bytes = chunk_bytes
         self.num_threads = num_threads or min(16, os.cpu_count() or 1)
         self._chunks: list[_Chunk | None] = []
-        self.last_grow_s = 0.0
 
     @property
     def capacity_bytes(self) -> int:
@@ -112,13 +110,19 @@ class HostArena:
         return None
 
     def _grow(self, sizes: list[int]) -> None:
-        """Adds chunks that hold ``sizes``: populated and pinned in parallel threads."""
-        start = time.perf_counter()
+        """Adds chunks that hold ``sizes``: populated and pinned in parallel threads. All or
+        nothing: if one chunk fails, the ones made are given back before the error is raised."""
         plan = _chunk_plan([align_up(n, _REGION_ALIGNMENT) for n in sizes], self.chunk_bytes)
         with ThreadPoolExecutor(self.num_threads) as pool:
-            created = list(pool.map(self._make_chunk, plan))
-        self._chunks.extend(created)
-        self.last_grow_s = time.perf_counter() - start
+            futures = [pool.submit(self._make_chunk, size) for size in plan]
+        made = [f.result() for f in futures if f.exception() is None]
+        errors = [error for f in futures if (error := f.exception()) is not None]
+        if errors:
+            for chunk in made:
+                self._backend.unpin(chunk.address, chunk.size)
+                libc.munmap(chunk.address, chunk.size)
+            raise errors[0]
+        self._chunks.extend(made)
 
     def _make_chunk(self, size: int) -> _Chunk:
         address = libc.map_anonymous(size)

@@ -13,8 +13,11 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
+
+from dormant.memory.errors import StrictModeError
 
 _SKIPPED_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
@@ -25,7 +28,7 @@ _SKIPPED_DIRS = (
 
 def call_site() -> str:
     """``file:line in function`` of the first frame outside torch, dormant.memory and contextlib."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_SKIPPED_DIRS) and not filename.startswith("<"):
@@ -85,3 +88,12 @@ def describe_undeclared(tag: str, records: Iterable[AuditRecord]) -> str:
         "call mm.declare_backing(tensor) if the memory really is discardable backing."
     )
     return "\n".join(lines)
+
+
+def check_strict(records: Iterable[AuditRecord], discarding: Iterable[str]) -> None:
+    """Raises StrictModeError if a tag in ``discarding`` holds an undeclared block."""
+    undeclared = [r for r in records if not r.is_declared]
+    for tag in discarding:
+        found = [r for r in undeclared if r.tag == tag]
+        if found:
+            raise StrictModeError(describe_undeclared(tag, found))

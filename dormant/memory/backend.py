@@ -2,7 +2,7 @@
 
 The manager never branches on which backend it has, except through this protocol. A backend knows
 how to reserve address ranges, create and map physical memory, view memory as torch tensors, and
-move bytes; it knows nothing of tags, policies or states.
+move bytes; it knows nothing of tags, policies or states. ``backends.open_backend`` picks one.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Backend(Protocol):
       inaccessible again but keeps it reserved. Freshly created memory reads as zero.
     - ``fill`` returns only when the bytes have landed; ``copy_batch`` copies asynchronously
       between device and registered host memory, in either direction.
+    - A call that fails raises (``DriverError`` naming the call, or ``OutOfMemoryError``) and has
+      not done its work: a failed ``unmap`` leaves the range mapped, a failed ``release`` leaves
+      the handle alive, a failed ``map`` leaves the range unmapped. The caller keeps its records.
     """
 
     name: str
@@ -88,26 +91,3 @@ class Backend(Protocol):
         ...
 
     def unpin(self, address: int, size: int) -> None: ...
-
-
-def open_backend(
-    device: str | torch.device | Backend, *, host_capacity: int | None = None
-) -> Backend:
-    """The backend for ``device``: ``"cuda[:N]"``, ``"host"``/``"cpu"``, or ``"auto"``."""
-    if not isinstance(device, str | torch.device):
-        return device
-    name = str(device)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "host"
-    if name.startswith("cuda"):
-        if host_capacity is not None:
-            raise ValueError("host_capacity applies to the host backend only")
-        from dormant.memory.cuda_backend import CudaBackend
-
-        index = torch.device(name).index
-        return CudaBackend(torch.cuda.current_device() if index is None else index)
-    if name in ("host", "cpu"):
-        from dormant.memory.host_backend import HostBackend
-
-        return HostBackend(capacity=host_capacity)
-    raise ValueError(f"unknown device {device!r}; use 'cuda', 'cuda:N', 'host' or 'auto'")

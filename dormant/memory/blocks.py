@@ -6,8 +6,10 @@ and an allocation that dies with it gives back its VA and its host copy in the a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+
+import torch
 
 from dormant.memory.allocation import Allocation, Kind, State
 from dormant.memory.arena import HostArena
@@ -20,14 +22,14 @@ class BlockTable:
     """Invariant: ``_blocks`` holds exactly the blocks that are allocated and not yet freed."""
 
     def __init__(self, backend: Backend, arena: HostArena, slab_bytes: int) -> None:
-        self._backend = backend
-        self._arena = arena
+        self.backend = backend
+        self.arena = arena
         self._slab_bytes = slab_bytes
         self.pools: dict[str, TagPool] = {}
         self._blocks: dict[int, tuple[Block, AuditRecord]] = {}
 
     def add_tag(self, tag: str) -> None:
-        self.pools[tag] = TagPool(self._backend, tag, self._slab_bytes)
+        self.pools[tag] = TagPool(self.backend, tag, self._slab_bytes)
 
     def allocations(self, tags: Iterable[str] | None = None) -> Iterator[Allocation]:
         for tag in self.pools if tags is None else tags:
@@ -44,6 +46,15 @@ class BlockTable:
         self._blocks[block.address] = (block, record)
         return block
 
+    def view(self, block: Block, on_free: Callable[[], None]) -> torch.Tensor:
+        """A uint8 tensor over ``block`` whose storage's death calls ``on_free``; frees the block
+        if the view cannot be made."""
+        try:
+            return self.backend.view(block.address, block.nbytes, on_free)
+        except BaseException:
+            self.free(block)
+            raise
+
     def raw_block(self, address: int) -> Block:
         entry = self._blocks.get(address)
         if entry is None or entry[0].kind is not Kind.RAW:
@@ -57,6 +68,15 @@ class BlockTable:
                 return block
         raise ValueError(f"address {address:#x} is not memory of this MemoryManager")
 
+    def mark_dirty(self, target: int | str) -> None:
+        """Marks the allocation holding address ``target``, or every allocation of tag
+        ``target``, for copying at the next sleep."""
+        if isinstance(target, str):
+            for allocation in self.pools[target].allocations:
+                allocation.is_dirty = True
+        else:
+            self.find(target).allocation.is_dirty = True
+
     def declare(self, address: int) -> None:
         block = self.find(address)
         block_, record = self._blocks[block.address]
@@ -67,7 +87,7 @@ class BlockTable:
         del self._blocks[block.address]
         destroyed = self.pools[block.allocation.tag].free(block)
         if destroyed is not None and destroyed.region is not None:
-            self._arena.free(destroyed.region)
+            self.arena.free(destroyed.region)
             destroyed.region = None
 
     @property
@@ -75,12 +95,13 @@ class BlockTable:
         return not self._blocks and not any(self.allocations())
 
     def drop_host_copies(self) -> None:
-        """Frees every host copy and the arena, unless something offloaded still needs them."""
+        """Frees every host copy and the arena, unless an allocation that is not MAPPED may still
+        need its copy (offloaded, or unmapped on its way to being offloaded)."""
         allocations = list(self.allocations())
-        if any(a.state is State.OFFLOADED for a in allocations):
+        if any(a.state is not State.MAPPED for a in allocations):
             return
         for allocation in allocations:
             if allocation.region is not None:
-                self._arena.free(allocation.region)
-                allocation.region, allocation.digest = None, None
-        self._arena.release()
+                self.arena.free(allocation.region)
+                allocation.region, allocation.has_host_copy, allocation.digest = None, False, None
+        self.arena.release()

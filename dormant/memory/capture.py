@@ -57,6 +57,15 @@ def in_capture_scope() -> bool:
     return getattr(_scope, "depth", 0) > 0
 
 
+def check_not_capturing(what: str) -> None:
+    """Raises MemoryLayerError inside a capture scope (``what`` is the refused call)."""
+    if in_capture_scope():
+        raise MemoryLayerError(
+            f"{what} inside a capture scope: its own torch allocations would be captured "
+            "into a tag. Leave the `with mm.capture(...)` block first."
+        )
+
+
 class TagPools:
     """One MemPool per tag, allocating through ``alloc(nbytes, tag)`` / ``free(address)``.
 
@@ -99,6 +108,7 @@ class TagPools:
         alloc_cb, free_cb = _ALLOC(on_alloc), _FREE(on_free)
         alloc_ptr = ctypes.cast(alloc_cb, ctypes.c_void_p).value
         free_ptr = ctypes.cast(free_cb, ctypes.c_void_p).value
+        assert alloc_ptr is not None and free_ptr is not None, "a ctypes callback has an address"
         allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
         for obj in (alloc_cb, free_cb, allocator):
             _make_immortal(obj)

@@ -94,7 +94,8 @@ class CudaBackend:
 
     def release(self, handle: int) -> None:
         self._ensure_context()
-        call("cuMemRelease", self._handles.pop(handle))
+        call("cuMemRelease", self._handles[handle])
+        del self._handles[handle]  # only once released: a failed release keeps the handle
 
     def memory_info(self) -> tuple[int, int]:
         self._ensure_context()

@@ -90,7 +90,7 @@ def _make_deleter() -> Callable[..., None]:
     exiting = _exiting
 
     @_DELETER
-    def on_storage_freed(managed: ctypes._Pointer) -> None:  # type: ignore[type-arg]
+    def on_storage_freed(managed: ctypes._Pointer) -> None:
         if exiting or is_finalizing():  # the process and all its memory are going away
             return
         with lock:
@@ -137,9 +137,3 @@ def tensor_at(
         with _live_lock:
             _live.pop(key, None)
         raise
-
-
-def num_live_views() -> int:
-    """How many imported storages have not been freed yet (for tests and leak checks)."""
-    with _live_lock:
-        return len(_live)

@@ -1,10 +1,15 @@
 """Typed errors of the memory layer.
 
 Every error says what was wrong, what state the memory is in, and what to do instead.
-A call that raises one of these (except :class:`DriverError`) has changed no state.
+A call that raises one of these (except :class:`DriverError` and its subclasses) has changed no
+state. After a ``DriverError`` every step that landed is recorded: ``status()`` tells the truth.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dormant.memory.states import TagState
 
 
 class MemoryLayerError(RuntimeError):
@@ -74,3 +79,30 @@ class ManagerExistsError(MemoryLayerError):
 
 class DriverError(MemoryLayerError):
     """A CUDA driver call failed. The message names the call and the CUDA error string."""
+
+
+class TransitionFailedError(DriverError):
+    """A driver call failed in the middle of a sleep or a wake.
+
+    The message names the failed call and says what every involved tag now is. Every step that
+    landed before the failure is recorded and nothing is leaked: ``status()`` tells the truth,
+    ``wake_up()`` maps back everything not mapped, and a sleep with the same policies completes.
+
+    Attributes:
+        tag_states: each involved tag's state after the failure.
+    """
+
+    def __init__(self, message: str, tag_states: Mapping[str, TagState]) -> None:
+        super().__init__(message)
+        self.tag_states = dict(tag_states)
+
+    def __reduce__(self) -> tuple[type, tuple[str, dict[str, TagState]]]:
+        return type(self), (str(self), self.tag_states)
+
+
+class SleepFailedError(TransitionFailedError):
+    """A sleep stopped at a failed driver call; what had been released stays released."""
+
+
+class WakeFailedError(TransitionFailedError):
+    """A wake stopped at a failed driver call; it rolled back, so every state is as it was."""

@@ -6,6 +6,10 @@
 - fresh pages read zero, as on the GPU. Touching unmapped memory is a segfault, as it is an
   illegal address on the GPU.
 - ``capacity`` bounds the bytes of live physical memory, so tests can provoke OOM on wake.
+- It is as strict as the driver: mapping a mapped range, unmapping an unmapped one, releasing an
+  unknown handle or freeing a reservation that is still mapped raises ``DriverError``. It records
+  its live handles, mappings and reservations (``live_handles`` and friends), so tests can check
+  the manager's bookkeeping against what really exists.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import psutil
 import torch
@@ -23,9 +28,10 @@ import torch
 from dormant.memory import libc
 from dormant.memory.backend import Copy, Span
 from dormant.memory.dlpack import tensor_at
-from dormant.memory.errors import OutOfMemoryError
+from dormant.memory.errors import DriverError, OutOfMemoryError
 
 _instances = itertools.count()
+_T = TypeVar("_T")
 
 
 class HostBackend:
@@ -44,6 +50,8 @@ class HostBackend:
         self.granularity = granularity
         self.capacity = capacity
         self._sizes: dict[int, int] = {}  # fd -> bytes
+        self._mapped: dict[int, tuple[int, int]] = {}  # address -> (bytes, fd)
+        self._reservations: dict[int, int] = {}  # address -> bytes
         self._lock = threading.Lock()
 
     @property
@@ -52,11 +60,36 @@ class HostBackend:
         with self._lock:
             return sum(self._sizes.values())
 
+    def live_handles(self) -> dict[int, int]:
+        """Handle → bytes, for every handle created and not yet released."""
+        with self._lock:
+            return dict(self._sizes)
+
+    def mapped_ranges(self) -> dict[int, tuple[int, int]]:
+        """Address → (bytes, handle), for every range mapped now."""
+        with self._lock:
+            return dict(self._mapped)
+
+    def live_reservations(self) -> dict[int, int]:
+        """Address → bytes, for every range reserved and not yet freed."""
+        with self._lock:
+            return dict(self._reservations)
+
     def reserve(self, size: int) -> int:
-        return libc.reserve(size)
+        va = _checked("reserve", libc.reserve, size)
+        with self._lock:
+            self._reservations[va] = size
+        return va
 
     def free_reservation(self, va: int, size: int) -> None:
-        libc.munmap(va, size)
+        with self._lock:
+            if self._reservations.get(va) != size:
+                raise DriverError(f"free_reservation: [{va:#x}, +{size}) is not a reservation")
+            if any(va <= m < va + size for m in self._mapped):
+                raise DriverError(f"free_reservation: [{va:#x}, +{size}) is still mapped")
+        _checked("free_reservation (munmap)", libc.munmap, va, size)
+        with self._lock:
+            del self._reservations[va]
 
     def create(self, size: int) -> int:
         with self._lock:
@@ -69,25 +102,40 @@ class HostBackend:
                     bytes_requested=size,
                     bytes_free=free,
                 )
-            fd = os.memfd_create("dormant", os.MFD_CLOEXEC)
+            fd = _checked("create (memfd_create)", os.memfd_create, "dormant", os.MFD_CLOEXEC)
             try:
-                os.ftruncate(fd, size)
-            except OSError:
+                _checked("create (ftruncate)", os.ftruncate, fd, size)
+            except BaseException:
                 os.close(fd)
                 raise
             self._sizes[fd] = size
             return fd
 
     def map(self, va: int, size: int, handle: int) -> None:
-        libc.map_shared_fixed(va, size, handle)
+        with self._lock:
+            if handle not in self._sizes:
+                raise DriverError(f"map: {handle} is not a live handle")
+            if va in self._mapped:
+                raise DriverError(f"map: {va:#x} is already mapped")
+        _checked("map (mmap MAP_FIXED)", libc.map_shared_fixed, va, size, handle)
+        with self._lock:
+            self._mapped[va] = (size, handle)
 
     def unmap(self, va: int, size: int) -> None:
-        libc.reserve_fixed(va, size)
+        with self._lock:
+            if self._mapped.get(va, (None,))[0] != size:
+                raise DriverError(f"unmap: [{va:#x}, +{size}) is not mapped")
+        _checked("unmap (mmap PROT_NONE)", libc.reserve_fixed, va, size)
+        with self._lock:
+            del self._mapped[va]
 
     def release(self, handle: int) -> None:
         with self._lock:
+            if handle not in self._sizes:
+                raise DriverError(f"release: {handle} is not a live handle")
+        _checked("release (close)", os.close, handle)
+        with self._lock:
             del self._sizes[handle]
-        os.close(handle)
 
     def memory_info(self) -> tuple[int, int]:
         """The emulated device holds only what this backend created (bounded by ``capacity``)."""
@@ -141,3 +189,11 @@ class _ImmediateCopies:
 
     def wait_all(self) -> None:
         """Every copy already landed."""
+
+
+def _checked(call: str, function: Callable[..., _T], *args: object) -> _T:
+    """``function(*args)``, with an OSError raised as the DriverError a device would raise."""
+    try:
+        return function(*args)
+    except OSError as error:
+        raise DriverError(f"{call} failed: {error}") from error

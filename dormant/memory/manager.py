@@ -1,66 +1,43 @@
-"""The memory manager: tagged sleepable memory on one device, and its state machine (DESIGN §2).
-
-States and transitions, per tag (every allocation of a tag shares its tag's state)::
-
-    request              tag awake                 tag asleep with P          tag asleep with Q≠P
-    ───────────────────  ────────────────────────  ─────────────────────────  ───────────────────
-    sleep(tag: KEEP)     no-op                     no-op                      no-op
-    sleep(tag: P)        sleep with P              no-op (idempotent)         SleepConflictError
-    wake_up(tag)         no-op (idempotent)        map, restore/poison        map, restore/poison
-    allocate in tag      allocate                  TagAsleepError             TagAsleepError
-    free a tensor        unmap + release + VA      VA + host copy only        VA + host copy only
-
-A request is validated completely before anything changes: an error leaves every state as it was.
-Wake is transactional (see ``transitions.wake_allocations``). Errors are typed (``errors.py``).
+"""The memory manager (DESIGN §2), a facade: the tag state machine and its table are in
+``tag_machine.py``, the bytes move in ``transitions.py``. It stores no sleep state: a tag's state
+is derived from its allocations' states, the one store of truth. Errors are typed (errors.py).
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from functools import partial
 
 import torch
 
-from dormant.memory.adopt import adopt_module, tensor_specs
-from dormant.memory.allocation import Kind, State
+from dormant.memory import device_slots
+from dormant.memory.adopt import Shape, adopt_module, pack_views, tensor_specs
+from dormant.memory.allocation import Kind
 from dormant.memory.arena import HostArena
-from dormant.memory.audit import AuditReport, describe_undeclared, make_report
-from dormant.memory.backend import Backend, open_backend
+from dormant.memory.audit import AuditReport, make_report
+from dormant.memory.backend import Backend
+from dormant.memory.backends import open_backend
 from dormant.memory.blocks import BlockTable
-from dormant.memory.capture import TagPools, capture_scope, in_capture_scope, require_cuda
-from dormant.memory.errors import (
-    ManagerClosedError,
-    ManagerExistsError,
-    MemoryLayerError,
-    SleepConflictError,
-    StrictModeError,
-    TagAsleepError,
-    UnknownTagError,
-)
+from dormant.memory.capture import TagPools, capture_scope, check_not_capturing, require_cuda
+from dormant.memory.errors import ManagerClosedError
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.policy import (
     BUILTIN_TAGS,
     CUDA_GRAPH,
     Policy,
     as_tag_list,
-    is_discardable,
-    level_policies,
-    parse_policies,
+    audited_tags,
+    sleep_request,
 )
 from dormant.memory.pool import BLOCK_ALIGNMENT, Block
 from dormant.memory.serial import SerialSection
+from dormant.memory.sleep_wake import sleep_tags, wake_tags
+from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
 from dormant.memory.status_report import build_status
-from dormant.memory.transitions import sleep_allocations, wake_allocations
-
-_live_devices: set[str] = set()  # one manager per device per process
-_live_devices_lock = threading.Lock()
-
-Shape = Sequence[int] | torch.Size
+from dormant.memory.tag_machine import asleep_policy, check_can_allocate, check_known, tag_states
 
 
 class MemoryManager:
@@ -76,6 +53,7 @@ class MemoryManager:
         skip_unchanged: do not copy HOST memory whose content hash matches its arena copy.
         slab_bytes: size of the per-tag slabs that small blocks are carved from.
         host_capacity: capacity of the host backend in bytes (tests use it to provoke OOM).
+        arena_chunk_bytes: the size the host arena grows by (a region larger than it gets its own).
     """
 
     def __init__(
@@ -91,13 +69,7 @@ class MemoryManager:
         arena_chunk_bytes: int = 1 << 30,
     ) -> None:
         self.backend = open_backend(device, host_capacity=host_capacity)
-        with _live_devices_lock:
-            if self.backend.device_key in _live_devices:
-                raise ManagerExistsError(
-                    f"a MemoryManager for {self.backend.device_key} already exists in this "
-                    "process; share it, or close() it before creating another"
-                )
-            _live_devices.add(self.backend.device_key)
+        device_slots.claim(self.backend.device_key)
         self.poison, self.strict = poison, strict
         self.keep_arena, self.skip_unchanged = keep_arena, skip_unchanged
         self.arena = HostArena(self.backend, chunk_bytes=arena_chunk_bytes)
@@ -105,17 +77,15 @@ class MemoryManager:
         self._table = BlockTable(self.backend, self.arena, slab_bytes)
         for tag in BUILTIN_TAGS:
             self._table.add_tag(tag)
-        self._asleep: dict[str, Policy] = {}
         self._guard = PointerGuard()
         self._serial = SerialSection()
         self._tag_pools = TagPools(self.raw_alloc, self.raw_free)
         self._is_closed = False
         self.last_sleep: SleepReport | None = None
         self.last_wake: WakeReport | None = None
-        self._finalizer = weakref.finalize(self, _forget_device, self.backend.device_key)
+        self._finalizer = weakref.finalize(self, device_slots.give_back, self.backend.device_key)
 
     # ── tags ──────────────────────────────────────────────────────────────────────────────────
-
     @property
     def tags(self) -> tuple[str, ...]:
         return tuple(self._table.pools)
@@ -129,19 +99,25 @@ class MemoryManager:
             self._user_tags[tag] = per_level
             self._table.add_tag(tag)
 
+    def tag_states(self) -> dict[str, TagState]:
+        """Every tag's state, derived from its allocations (an empty tag is AWAKE)."""
+        with self._op():
+            return tag_states(self._table.pools)
+
     def is_sleeping(self, tag: str | None = None) -> bool:
-        """Whether ``tag`` (or, with None, any tag) is asleep."""
-        if tag is None:
-            return bool(self._asleep)
-        self._check_tags([tag])
-        return tag in self._asleep
+        """Whether ``tag`` (or, with None, any tag) is not AWAKE: asleep, or in between."""
+        states = self.tag_states()
+        names = list(states) if tag is None else self._check_tags([tag])
+        return any(states[t] is not TagState.AWAKE for t in names)
 
     @property
     def asleep_tags(self) -> dict[str, Policy]:
-        return dict(self._asleep)
+        """Tag → policy for the tags that are wholly asleep: HOST for OFFLOADED, DISCARD for
+        DISCARDED. PARTIAL tags are not listed (``tag_states`` shows them)."""
+        states = self.tag_states().items()
+        return {t: p for t, s in states if (p := asleep_policy(s)) is not None}
 
     # ── allocation frontends ──────────────────────────────────────────────────────────────────
-
     def empty(self, shape: Shape, dtype: torch.dtype, tag: str) -> torch.Tensor:
         """An uninitialised tensor in ``tag``; its memory returns when its last view dies."""
         return self.empty_many([(shape, dtype)], tag)[0]
@@ -181,7 +157,6 @@ class MemoryManager:
             self._table.declare(address)
 
     # ── torch integration (CUDA) ──────────────────────────────────────────────────────────────
-
     @contextmanager
     def capture(self, tag: str) -> Iterator[None]:
         """Routes this thread's torch CUDA allocations in scope into ``tag`` (see capture.py).
@@ -202,14 +177,11 @@ class MemoryManager:
         return self._tag_pools.pool(tag)
 
     # ── safety tools ──────────────────────────────────────────────────────────────────────────
-
     def audit(self, tags: Iterable[str] | None = None) -> AuditReport:
         """The live blocks of ``tags`` (default: every discardable tag), with their call sites."""
         with self._op():
-            if tags is None:
-                wanted = {t for t in self.tags if is_discardable(t, self._user_tags)}
-            else:
-                wanted = set(self._check_tags(as_tag_list(tags)))
+            names = None if tags is None else self._check_tags(as_tag_list(tags))
+            wanted = audited_tags(names, self._user_tags, self.tags)
             return make_report(r for r in self._table.records() if r.tag in wanted)
 
     def guard_addresses(self, name: str, tensors: TensorSource) -> None:
@@ -230,85 +202,51 @@ class MemoryManager:
         Hints can only add copies: unchanged detection never skips a dirty allocation.
         """
         with self._op():
-            if isinstance(target, str):
-                for allocation in self._table.allocations(self._check_tags([target])):
-                    allocation.is_dirty = True
-            else:
-                self._table.find(target.data_ptr()).allocation.is_dirty = True
+            self._table.mark_dirty(
+                self._check_tags([target])[0] if isinstance(target, str) else target.data_ptr()
+            )
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
-
     def sleep(
         self, level: int | None = None, *, tags: Mapping[str, Policy | str] | None = None
     ) -> SleepReport:
         """Puts tags to sleep: by ``level`` preset, or by an explicit ``{tag: policy}``.
 
         Idempotent per tag; a tag asleep with another policy raises SleepConflictError and nothing
-        changes. Synchronizes the device before copying or unmapping.
+        changes (see tag_machine.py). Synchronizes the device before copying or unmapping. A
+        failed driver call raises SleepFailedError; repeating the sleep completes it.
         """
-        if (level is None) == (tags is None):
-            raise TypeError("sleep() takes exactly one of level=... or tags={tag: policy}")
-        request = level_policies(level, self._user_tags) if tags is None else parse_policies(tags)
-        self._check_not_capturing("sleep()")
+        request = sleep_request(level, tags, self._user_tags)
+        check_not_capturing("sleep()")
         with self._op():
             self._check_tags(request)
             self._guard.verify()
-            active = {t: p for t, p in request.items() if p is not Policy.KEEP}
-            conflicts = [
-                f"{t!r} is asleep with {self._asleep[t].name}, asked for {p.name}"
-                for t, p in active.items()
-                if self._asleep.get(t, p) is not p
-            ]
-            if conflicts:
-                raise SleepConflictError(
-                    "conflicting sleep request: " + "; ".join(conflicts) + ". Nothing was changed; "
-                    "wake_up() those tags first to sleep them differently."
-                )
-            plan = {t: p for t, p in active.items() if t not in self._asleep}
-            by_policy = {
-                policy: [t for t, p in plan.items() if p is policy]
-                for policy in (Policy.HOST, Policy.DISCARD)
-            }
-            if self.strict:
-                self._check_strict(by_policy[Policy.DISCARD])
-            report = sleep_allocations(
-                self.backend,
-                self.arena,
-                list(self._table.allocations(by_policy[Policy.HOST])),
-                list(self._table.allocations(by_policy[Policy.DISCARD])),
-                skip_unchanged=self.skip_unchanged,
+            self.last_sleep = sleep_tags(
+                self._table, request, strict=self.strict, skip_unchanged=self.skip_unchanged
             )
-            self._asleep.update(plan)
-            self.last_sleep = replace(report, tags=plan)
             return self.last_sleep
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
-        """Wakes ``tags`` (default: all) at their own addresses; waking an awake tag is a no-op.
+        """Wakes ``tags`` (default: all) at their own addresses; waking an AWAKE tag is a no-op.
+        Everything in them that is not mapped is mapped: PARTIAL tags come back whole.
 
         Transactional: if mapping fails nothing changes, and WakeOutOfMemoryError says how many
-        bytes were needed and how many were free.
+        bytes were needed and how many were free (another driver failure: WakeFailedError).
+        ``WakeReport.lost`` lists contents that could not be restored (see WakeReport).
         """
-        self._check_not_capturing("wake_up()")
+        check_not_capturing("wake_up()")
         with self._op():
-            names = list(self._asleep) if tags is None else self._check_tags(as_tag_list(tags))
-            waking = [t for t in dict.fromkeys(names) if t in self._asleep]
+            names = list(self.tags) if tags is None else self._check_tags(as_tag_list(tags))
             self._guard.verify()
-            allocations = [
-                a for a in self._table.allocations(waking) if a.state is not State.MAPPED
-            ]
-            report = wake_allocations(self.backend, allocations, poison=self.poison)
-            for tag in waking:
-                del self._asleep[tag]
-            if not self.keep_arena:
-                self._table.drop_host_copies()
-            self.last_wake = replace(report, tags=tuple(waking))
+            self.last_wake = wake_tags(
+                self._table, names, poison=self.poison, keep_arena=self.keep_arena
+            )
             return self.last_wake
 
     # ── status and lifetime ───────────────────────────────────────────────────────────────────
-
     def status(self) -> MemoryStatus:
         with self._op():
-            return build_status(self, self._table.pools, self._asleep)
+            return build_status(self._table, self.last_sleep, self.last_wake)
 
     def close(self) -> None:
         """Stops new operations and frees the device slot; live tensors stay valid until they die,
@@ -323,7 +261,6 @@ class MemoryManager:
         self._finalizer()
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
-
     @contextmanager
     def _op(self) -> Iterator[None]:
         with self._serial.held():
@@ -331,28 +268,8 @@ class MemoryManager:
                 raise ManagerClosedError("this MemoryManager was closed; create a new one")
             yield
 
-    def _check_not_capturing(self, what: str) -> None:
-        if in_capture_scope():
-            raise MemoryLayerError(
-                f"{what} inside a capture scope: its own torch allocations would be captured "
-                "into a tag. Leave the `with mm.capture(...)` block first."
-            )
-
     def _check_tags(self, tags: Iterable[str]) -> list[str]:
-        names = list(tags)
-        unknown = [t for t in names if t not in self._table.pools]
-        if unknown:
-            raise UnknownTagError(
-                f"unknown tag(s) {unknown}; known tags: {list(self.tags)}. "
-                "Add your own with register_tag()."
-            )
-        return names
-
-    def _check_strict(self, discarding: list[str]) -> None:
-        for tag in discarding:
-            undeclared = [r for r in self._table.records() if r.tag == tag and not r.is_declared]
-            if undeclared:
-                raise StrictModeError(describe_undeclared(tag, undeclared))
+        return check_known(self._table.pools, tags)
 
     def _empty_many(
         self, specs: Sequence[tuple[Shape, torch.dtype]], tag: str, kind: Kind
@@ -363,23 +280,12 @@ class MemoryManager:
                 self._check_tags([tag])
                 return [torch.empty(s, dtype=d, device=self.backend.device) for s, d in specs]
             block = self._allocate(nbytes, tag, kind)
-            try:
-                on_free = partial(self._on_storage_freed, block)
-                raw = self.backend.view(block.address, nbytes, on_free)
-            except BaseException:
-                self._free_block(block)
-                raise
-        return [
-            raw[o : o + n].view(d).view(s) for (s, d), (o, n) in zip(specs, layout, strict=True)
-        ]
+            raw = self._table.view(block, partial(self._on_storage_freed, block))
+        return pack_views(raw, specs, layout)
 
     def _allocate(self, nbytes: int, tag: str, kind: Kind) -> Block:
         self._check_tags([tag])
-        if tag in self._asleep:
-            raise TagAsleepError(
-                f"cannot allocate in tag {tag!r}: it is asleep ({self._asleep[tag].name}). "
-                f"wake_up([{tag!r}]) first."
-            )
+        check_can_allocate(self._table.pools[tag])
         return self._table.allocate(nbytes, tag, kind)
 
     def _on_storage_freed(self, block: Block) -> None:
@@ -390,8 +296,3 @@ class MemoryManager:
         self._table.free(block)
         if self._is_closed and self._table.is_empty:
             self.arena.release()
-
-
-def _forget_device(device_key: str) -> None:
-    with _live_devices_lock:
-        _live_devices.discard(device_key)

@@ -92,6 +92,28 @@ def is_discardable(tag: str, user_tags: Mapping[str, Mapping[int, Policy]]) -> b
     return any(LEVELS[level].get(tag) is Policy.DISCARD for level in LEVELS)
 
 
+def sleep_request(
+    level: int | None,
+    tags: Mapping[str, Policy | str] | None,
+    user_tags: Mapping[str, Mapping[int, Policy]],
+) -> dict[str, Policy]:
+    """The tag → policy request of ``sleep(level=...)`` or ``sleep(tags=...)`` (exactly one)."""
+    if tags is not None and level is None:
+        return parse_policies(tags)
+    if level is not None and tags is None:
+        return level_policies(level, user_tags)
+    raise TypeError("sleep() takes exactly one of level=... or tags={tag: policy}")
+
+
+def audited_tags(
+    tags: Iterable[str] | None, user_tags: Mapping[str, Mapping[int, Policy]], known: Iterable[str]
+) -> set[str]:
+    """The tags an audit lists: ``tags``, or by default every discardable tag of ``known``."""
+    if tags is None:
+        return {t for t in known if is_discardable(t, user_tags)}
+    return set(tags)
+
+
 def parse_policies(tags: Mapping[str, Policy | str]) -> dict[str, Policy]:
     """Normalises a ``{tag: policy}`` request; raises UnknownPolicyError on a bad policy."""
     return {tag: Policy.parse(policy) for tag, policy in tags.items()}

@@ -67,8 +67,8 @@ class TagPool:
         block.slab.ranges.free(block.address - block.allocation.va)
         if not block.slab.ranges.is_empty:
             return None
-        self._slabs.remove(block.slab)
         self._destroy(block.slab.allocation)
+        self._slabs.remove(block.slab)
         return block.slab.allocation
 
     def _allocate_small(self, nbytes: int, kind: Kind) -> Block:
@@ -85,5 +85,5 @@ class TagPool:
         return Block(allocation.va, nbytes, kind, allocation, slab)
 
     def _destroy(self, allocation: Allocation) -> None:
+        destroy_allocation(self._backend, allocation)  # a failure leaves it listed, as it is
         self.allocations.remove(allocation)
-        destroy_allocation(self._backend, allocation)

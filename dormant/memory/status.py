@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dormant.memory.policy import Policy
+from dormant.memory.states import State, TagState, describe
 
 GiB = float(1 << 30)
 
@@ -16,18 +17,33 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 @dataclass(frozen=True)
 class TagStatus:
+    """One tag, derived from its allocations when ``status()`` was called.
+
+    ``num_by_state`` counts the tag's allocations in each ``State`` (every state is a key), so
+    after a failed driver call it says exactly how many are mapped, offloaded, discarded, or in
+    between (UNMAPPED: unmapped with the handle kept).
+    """
+
     tag: str
-    asleep_policy: Policy | None  # None: awake
-    num_allocations: int
+    state: TagState
+    num_by_state: dict[State, int]
     reserved_bytes: int
     mapped_bytes: int
+    held_bytes: int  # physical memory held: mapped, plus unmapped with the handle kept
     host_bytes: int  # arena bytes held for this tag's allocations
 
     @property
-    def state(self) -> str:
-        if self.asleep_policy is None:
-            return "awake"
-        return {Policy.HOST: "offloaded", Policy.DISCARD: "discarded"}[self.asleep_policy]
+    def num_allocations(self) -> int:
+        return sum(self.num_by_state.values())
+
+    @property
+    def asleep_policy(self) -> Policy | None:
+        """HOST when every allocation is offloaded, DISCARD when every one is discarded."""
+        return {TagState.OFFLOADED: Policy.HOST, TagState.DISCARDED: Policy.DISCARD}.get(self.state)
+
+    def describe(self) -> str:
+        """``state`` and, when the tag is PARTIAL, how many allocations are in which state."""
+        return describe(self.state, self.num_by_state)
 
 
 @dataclass(frozen=True)
@@ -51,7 +67,12 @@ class SleepReport:
 
 @dataclass(frozen=True)
 class WakeReport:
-    """One wake. ``tags`` are the tags it woke (empty for a no-op)."""
+    """One wake. ``tags`` are the tags it woke (empty for a no-op).
+
+    ``lost`` lists (tag, bytes) whose contents could not be restored: OFFLOADED allocations whose
+    host copy had never completed. They come back zeroed (poisoned in poison mode). With the sleep
+    order of DESIGN §2.3 this cannot happen; if it ever does, it is reported here, never silent.
+    """
 
     tags: tuple[str, ...] = ()
     total_s: float = 0.0
@@ -59,6 +80,11 @@ class WakeReport:
     copy_s: float = 0.0  # poison fill, then what is left of the copies
     bytes_mapped: int = 0
     bytes_copied: int = 0
+    lost: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def bytes_lost(self) -> int:
+        return sum(n for _, n in self.lost)
 
     @property
     def copy_gbps(self) -> float:
@@ -99,9 +125,11 @@ class MemoryStatus:
         )
         for t in self.tags:
             lines.append(
-                f"  {t.tag:<12} {t.state:<10} {t.num_allocations:>6} "
+                f"  {t.tag:<12} {t.state.value:<10} {t.num_allocations:>6} "
                 f"{t.mapped_bytes / 2**20:>11.1f} {t.host_bytes / 2**20:>9.1f}"
             )
+            if t.state is TagState.PARTIAL:
+                lines.append(f"    in between: {t.describe()}")
         lines.append(
             f"  device in use {self.device_used_bytes / GiB:.3f} of "
             f"{self.device_total_bytes / GiB:.1f} GiB; host arena "
@@ -122,4 +150,5 @@ class MemoryStatus:
                 f"  last wake {w.total_s * 1e3:.1f} ms: mapped {w.bytes_mapped / GiB:.3f} GiB, "
                 f"copied {w.bytes_copied / GiB:.3f} GiB at {w.copy_gbps:.1f} GB/s"
             )
+            lines += [f"  LOST on that wake: {tag} {n:,} bytes (no host copy)" for tag, n in w.lost]
         return "\n".join(lines)

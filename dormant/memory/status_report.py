@@ -1,44 +1,41 @@
-"""Builds ``MemoryStatus`` from a manager's pools: per-tag bytes and the residual by owner."""
+"""Builds ``MemoryStatus`` from a manager's parts: per-tag states and bytes, derived from the
+allocations, and the residual by owner."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-from dormant.memory.allocation import State
-from dormant.memory.policy import Policy
-from dormant.memory.pool import TagPool
-from dormant.memory.status import MemoryStatus, ResidualItem, TagStatus
-
-if TYPE_CHECKING:
-    from dormant.memory.manager import MemoryManager
+from dormant.memory.blocks import BlockTable
+from dormant.memory.states import State
+from dormant.memory.status import MemoryStatus, ResidualItem, SleepReport, TagStatus, WakeReport
+from dormant.memory.tag_machine import count_states, tag_state
 
 UNOWNED = "not dormant's: CUDA context, NCCL, other libraries"
 
 
 def build_status(
-    manager: MemoryManager, pools: Mapping[str, TagPool], asleep: Mapping[str, Policy]
+    table: BlockTable, last_sleep: SleepReport | None, last_wake: WakeReport | None
 ) -> MemoryStatus:
+    """The status of ``table``'s tags, its backend and its arena, with the last reports."""
+    backend, arena = table.backend, table.arena
     tags = []
-    for tag, pool in pools.items():
+    for tag, pool in table.pools.items():
         allocations = pool.allocations
         tags.append(
             TagStatus(
                 tag=tag,
-                asleep_policy=asleep.get(tag),
-                num_allocations=len(allocations),
+                state=tag_state(allocations),
+                num_by_state=count_states(allocations),
                 reserved_bytes=sum(a.size for a in allocations),
                 mapped_bytes=sum(a.size for a in allocations if a.state is State.MAPPED),
+                held_bytes=sum(a.size for a in allocations if a.handle is not None),
                 host_bytes=sum(a.region.nbytes for a in allocations if a.region is not None),
             )
         )
-    backend = manager.backend
     free, total = backend.memory_info()
     used = total - free
     residual = [
-        ResidualItem(f"dormant tag {t.tag!r} ({t.state})", t.mapped_bytes)
+        ResidualItem(f"dormant tag {t.tag!r} ({t.describe()})", t.held_bytes)
         for t in tags
-        if t.mapped_bytes
+        if t.held_bytes
     ]
     residual += [ResidualItem(owner, n) for owner, n in backend.other_usage().items() if n]
     unexplained = used - sum(r.nbytes for r in residual)
@@ -50,9 +47,9 @@ def build_status(
         tags=tuple(tags),
         device_used_bytes=used,
         device_total_bytes=total,
-        arena_capacity_bytes=manager.arena.capacity_bytes,
-        arena_used_bytes=manager.arena.used_bytes,
-        last_sleep=manager.last_sleep,
-        last_wake=manager.last_wake,
+        arena_capacity_bytes=arena.capacity_bytes,
+        arena_used_bytes=arena.used_bytes,
+        last_sleep=last_sleep,
+        last_wake=last_wake,
         residual=tuple(residual),
     )

@@ -102,6 +102,7 @@ def test_pointer_guard_catches_a_rebuilt_tensor(mm: MemoryManager) -> None:
 
 def test_pointer_guard_catches_storage_swaps_and_is_checked_at_wake(mm: MemoryManager) -> None:
     table = mm.empty((64,), torch.int32, "runtime")
+    kv = mm.empty((64,), torch.int32, "kv_cache")
     mm.guard_addresses("table", [table])
     mm.sleep(tags={"kv_cache": "discard"})
     table.set_(torch.zeros(64, dtype=torch.int32, device=mm.backend.device))
@@ -112,6 +113,7 @@ def test_pointer_guard_catches_storage_swaps_and_is_checked_at_wake(mm: MemoryMa
     mm.wake_up()
     with pytest.raises(KeyError):
         mm.unguard("table")
+    del kv
 
 
 def test_capture_needs_the_cuda_backend() -> None:
