@@ -139,7 +139,7 @@ def test_broadcast_refits_exactly_in_buckets_and_as_one_flat_bucket() -> None:
     shapes = shapes_of(model)
     record = model.weight_observer
     assert isinstance(record, RefitRecord)
-    bad_names, *bad_rest = request(new_weights(shapes, 1))
+    bad_names, bad_dtypes, bad_shapes = request(new_weights(shapes, 1))
     bad_names[3] = "model.layers.0.self_attn.q_prog.weight"
     trainer = Trainer(shapes, [("tensors", 1), ("tensors", 2), ("flat", 3)])
     groups = WeightUpdateGroups(bucket_bytes=8 << 10, timeout_s=20)  # several buckets
@@ -149,7 +149,7 @@ def test_broadcast_refits_exactly_in_buckets_and_as_one_flat_bucket() -> None:
     # A request that does not fit: refused before any write; its broadcasts are drained.
     before = state(model)
     with pytest.raises(WeightError, match="q_prog"):
-        groups.update_weights_from_distributed(model, bad_names, *bad_rest, GROUP)
+        groups.update_weights_from_distributed(model, bad_names, bad_dtypes, bad_shapes, GROUP)
     assert_state_equal(state(model), before)
     trainer.round_done()
 
