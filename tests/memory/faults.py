@@ -45,6 +45,8 @@ class FaultyBackend:
     def __init__(self, inner: HostBackend | None = None) -> None:
         self.inner = inner or HostBackend()
         self.calls: Counter[str] = Counter()
+        self.phase = ""  # what the caller is doing (e.g. "sleep"), recorded with each call
+        self.phases: dict[str, list[str]] = {}  # method -> the phase of each of its calls
         self.is_counting = False
         self.num_pinned = 0  # pins minus unpins that landed: chunks the arena still holds
         self._fault: tuple[str, int] | None = None
@@ -53,6 +55,7 @@ class FaultyBackend:
         """Starts counting calls from zero; the ``k``-th call of ``method`` (if given) fails."""
         assert method is None or method in COUNTED, method
         self.calls.clear()
+        self.phases.clear()
         self.is_counting = True
         self._fault = None if method is None else (method, k)
 
@@ -69,6 +72,7 @@ class FaultyBackend:
         if not self.is_counting:
             return
         self.calls[method] += 1
+        self.phases.setdefault(method, []).append(self.phase)
         if self._fault == (method, self.calls[method]):
             self._fault = None
             raise DriverError(f"{method}: injected failure at call {self.calls[method]}")
