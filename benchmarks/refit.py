@@ -1,0 +1,229 @@
+"""Refit speed of an 8B-like bf16 model (~16 GB of weights), every path side by side in one run.
+
+Cases (issue 13):
+  - limit: one device-to-device copy of the same number of bytes;
+  - bf16: same-process bf16 tensors, one ``model.load_weights`` call;
+  - fp32 cast: same-process fp32 tensors, cast on copy, one call;
+  - ipc bucket: CUDA IPC handles from a second process on the same GPU, flattened buckets
+    (default 512 MiB) through ``update_weights_from_tensor(load_format="flattened_bucket")``;
+    timed end to end (the sender packs each bucket, as slime does) and receiver-side only;
+  - trl loop: ``load_weights([(name, tensor)])`` one tensor at a time (fp32, TRL's default policy,
+    and bf16), the baseline.
+Each case prints a JSON line: seconds (median of ``--repeats``), GB/s of weight bytes,
+``of_limit`` (the limit's time over the case's; target >= 0.5 for the bucketed bf16 paths),
+``x_limit`` (its inverse), and the peak extra device memory: the allocator's high-water mark above
+what was allocated before the case (for IPC, the receiver's own allocations; the sender's are its
+own). Not measured here: the time until the engine generates (this drives the model directly).
+
+Usage: python benchmarks/refit.py [--out results.jsonl] [--bucket-mib 512] [--repeats 5]
+       python benchmarks/refit.py --tiny   (a tiny model on the CPU: checks the script runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import MiB, Recorder, table
+from benchmarks.decode import QWEN3_8B_LIKE
+from dormant.models import CausalLM, ModelConfig, build_model
+from dormant.worker.ipc_weights import (
+    FLATTENED_BUCKET,
+    flattened_bucket_request,
+    iter_buckets,
+    update_weights_from_tensor,
+)
+
+TINY = {
+    **QWEN3_8B_LIKE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+}  # fmt: skip
+Shapes = dict[str, tuple[int, ...]]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    fn: Callable[[], Any], device: torch.device, repeats: int
+) -> tuple[list[float], int | None]:
+    """Wall times of ``fn()`` with the device idle before and after, and the peak device memory
+    it allocated above what was allocated before (None on the CPU)."""
+    gc.collect()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    return times, peak
+
+
+def source_weights(shapes: Shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list:
+    """Deterministic new weights: the same values in every process for the same seed."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights = []
+    for name, shape in shapes.items():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        weights.append((name, tensor.normal_(0.0, 0.02, generator=generator)))
+    return weights
+
+
+def copy_limit(
+    num_bytes: int, device: torch.device, repeats: int
+) -> tuple[list[float], int | None]:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return measure(lambda: dst.copy_(src), device, repeats)
+
+
+def one_by_one(model: CausalLM, weights: list[tuple[str, Tensor]]) -> None:
+    for item in weights:
+        model.load_weights([item])
+
+
+def checksum(tensors: list[Tensor]) -> float:
+    return math.fsum(float(t.double().sum()) for t in tensors)
+
+
+# ── the second process: a trainer that sends CUDA IPC buckets ──────────────────────────────
+
+
+def sender_main(
+    conn: Connection, shapes: Shapes, device: str, bucket_bytes: int, seed: int
+) -> None:
+    weights = source_weights(shapes, torch.bfloat16, torch.device(device), seed)
+    conn.send(checksum([t for _, t in weights]))
+    while conn.recv() == "run":
+        for bucket in iter_buckets(weights, bucket_bytes):
+            entries, flat = flattened_bucket_request(bucket)
+            conn.send(entries)
+            conn.recv()  # the engine returned: its copies are done
+            del entries, flat
+            if device.startswith("cuda"):
+                torch.cuda.ipc_collect()
+        conn.send(None)
+
+
+def ipc_case(model: CausalLM, conn: Connection) -> float:
+    """One refit from the sender; returns the receiver-side seconds (inside the update calls)."""
+    inside = 0.0
+    conn.send("run")
+    while (entries := conn.recv()) is not None:
+        start = time.perf_counter()
+        update_weights_from_tensor(model, entries, load_format=FLATTENED_BUCKET)
+        inside += time.perf_counter() - start
+        conn.send(True)
+    return inside
+
+
+# ── the run ────────────────────────────────────────────────────────────────────────────────
+
+
+def build(config: ModelConfig, device: torch.device) -> CausalLM:
+    with torch.device(device):
+        model = build_model(config)
+    model.init_buffers()
+    model.reset_kv_scales()
+    model.init_random_weights(0)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rec = Recorder(args.out)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    config = ModelConfig.from_dict(TINY if args.tiny else QWEN3_8B_LIKE)
+    model = build(config, device)
+    params = list(model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
+    rec.emit(
+        case="setup",
+        device=str(device),
+        torch=torch.__version__,
+        weight_bytes=weight_bytes,
+        num_tensors=len(shapes),
+        bucket_bytes=args.bucket_mib * MiB,
+        repeats=args.repeats,
+    )
+    rows: list[dict[str, Any]] = []
+
+    def report(case: str, times: list[float], peak: int | None, **extra: Any) -> None:
+        seconds = statistics.median(times)
+        limit = rows[0]["seconds"] if rows else seconds
+        row = rec.emit(
+            case=case,
+            seconds=seconds,
+            min_s=min(times),
+            max_s=max(times),
+            gbps=weight_bytes / seconds / 1e9,
+            x_limit=seconds / limit,
+            of_limit=limit / seconds,
+            peak_extra_bytes=peak,
+            **extra,
+        )
+        rows.append(row)
+
+    report("limit (one device-to-device copy)", *copy_limit(weight_bytes, device, args.repeats))
+    for dtype, seed in ((config.dtype, 1), (torch.float32, 2)):
+        weights = source_weights(shapes, dtype, device, seed)
+        name = "bf16" if dtype == torch.bfloat16 else f"{str(dtype).removeprefix('torch.')} cast"
+        one_call = measure(partial(model.load_weights, weights), device, args.repeats)
+        report(f"{name}, one load_weights call", *one_call)
+        loop = measure(partial(one_by_one, model, weights), device, args.repeats)
+        report(f"trl loop, {name}, one tensor per call", *loop)
+        weights = []
+
+    ctx = get_context("spawn")
+    conn, child = ctx.Pipe()
+    sender = ctx.Process(
+        target=sender_main, args=(child, shapes, str(device), args.bucket_mib * MiB, 3)
+    )
+    sender.start()
+    sent_checksum = conn.recv()
+    inside: list[float] = []
+    times, peak = measure(lambda: inside.append(ipc_case(model, conn)), device, args.repeats)
+    received = checksum([p.detach() for p in params])
+    conn.send("stop")
+    sender.join()
+    report(
+        f"ipc flattened buckets of {args.bucket_mib} MiB (end to end)",
+        times,
+        peak,
+        receiver_s=statistics.median(inside),
+        verified=math.isclose(received, sent_checksum, rel_tol=1e-9),
+    )
+    print(table(rows, ["case", "seconds", "gbps", "of_limit", "peak_extra_bytes"]))
+
+
+if __name__ == "__main__":
+    main()
