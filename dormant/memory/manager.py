@@ -100,8 +100,9 @@ class MemoryManager:
             self._table.add_tag(tag)
 
     def tag_states(self) -> dict[str, TagState]:
-        """Every tag's state, derived from its allocations (an empty tag is AWAKE)."""
-        with self._op():
+        """Every tag's state, derived from its allocations (an empty tag is AWAKE); also after
+        ``close``, as ``is_sleeping`` and ``asleep_tags``."""
+        with self._serial.held():
             return tag_states(self._table.pools)
 
     def is_sleeping(self, tag: str | None = None) -> bool:

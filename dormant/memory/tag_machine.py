@@ -3,27 +3,27 @@
 A tag's state is derived from its allocations' states, never stored (``states.TagState``): an
 empty tag is AWAKE, since it has nothing to sleep. Per tag, with ``P`` the requested policy::
 
-    request            AWAKE               asleep with P        asleep with Q ≠ P     PARTIAL
-    ─────────────────  ──────────────────  ───────────────────  ────────────────────  ──────────────
-    sleep(tag: KEEP)   no-op               no-op                no-op                 no-op
-    sleep(tag: P)      sleep with P        no-op (idempotent)   SleepConflictError    complete: see
-                                                                                      below
-    wake_up(tag)       no-op (idempotent)  map, restore/poison  map, restore/poison   map the rest
-    allocate in tag    allocate            TagAsleepError       TagAsleepError        TagAsleepError
-    free a tensor      unmap+release+VA    VA + host copy       VA + host copy        what it holds
+    request           AWAKE              asleep with P        asleep with Q ≠ P    PARTIAL
+    ────────────────  ─────────────────  ───────────────────  ───────────────────  ──────────────
+    sleep(tag: KEEP)  no-op              no-op                no-op                no-op
+    sleep(tag: P)     sleep with P       no-op (idempotent)   SleepConflictError   per allocation
+    wake_up(tag)      no-op              map, restore/poison  map, restore/poison  map the rest
+    allocate in tag   allocate           TagAsleepError       TagAsleepError       TagAsleepError
+    free a tensor     unmap+release+VA   VA + host copy       VA + host copy       what it holds
 
-PARTIAL is what a failed driver call leaves: some allocations MAPPED, some OFFLOADED or
-DISCARDED, some UNMAPPED (handle kept). Each allocation then answers for itself:
+PARTIAL is what a failed driver call leaves (an ``unmap`` that fails leaves its allocation
+MAPPED; a ``release`` that fails leaves it UNMAPPED, handle kept), so some allocations are MAPPED,
+some OFFLOADED or DISCARDED, some UNMAPPED. Each allocation then answers for itself::
 
-    allocation state           sleep(tag: P)                          wake_up(tag)
-    ─────────────────────────  ─────────────────────────────────────  ────────────────────────────
-    MAPPED                     sleep it with P                        nothing
-    UNMAPPED on its way to P   retry the release                      map its own handle again
-    UNMAPPED on its way to Q   SleepConflictError (nothing changes)   map its own handle again
-    OFFLOADED / DISCARDED      no-op if that is P, else conflict      create, map, restore / fill
+    allocation state          sleep(tag: P)                         wake_up(tag)
+    ────────────────────────  ────────────────────────────────────  ───────────────────────────
+    MAPPED                    sleep it with P                       nothing
+    UNMAPPED, on its way to P retry the release                     map its own handle again
+    UNMAPPED, on its way to Q SleepConflictError (nothing changes)  map its own handle again
+    OFFLOADED / DISCARDED     no-op if that is P, else conflict     create, map, restore / fill
 
 A request is validated completely before anything changes: a conflict in any tag changes nothing
-in every tag.
+in every tag. A failed wake is rolled back whole, so it never leaves a tag PARTIAL.
 """
 
 from __future__ import annotations

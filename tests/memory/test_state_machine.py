@@ -248,5 +248,6 @@ def test_closed_manager_refuses_operations(make_mm) -> None:
     mm.close()
     with pytest.raises(Exception, match="closed"):
         mm.sleep(level=1)
+    assert not mm.is_sleeping() and mm.tag_states()["weights"] is TagState.AWAKE  # readable
     t.fill_(1.0)  # live tensors stay valid after close
     assert float(t.sum()) == 16.0
