@@ -17,6 +17,7 @@ class Command(enum.Enum):
     EXECUTE_MULTI_STEP = "execute_multi_step"
     SLEEP = "sleep"
     WAKE_UP = "wake_up"
+    SLEEP_STATE = "sleep_state"
     RELOAD_WEIGHTS = "reload_weights"
     UPDATE_WEIGHTS = "update_weights"
     MEMORY_STATUS = "memory_status"
@@ -24,6 +25,8 @@ class Command(enum.Enum):
     AUDIT = "audit"
     VERIFY_GUARDS = "verify_guards"
     CHECK_HEALTH = "check_health"
+    CALL_EXTENSION = "call_extension"  # a worker extension's method, by name
+    CALL_FUNCTION = "call_function"  # collective_rpc(fn): fn(worker, *args, **kwargs)
     SHUTDOWN = "shutdown"
 
 
@@ -35,6 +38,7 @@ PUBLIC_RPC: dict[str, Command] = {
     for command in (
         Command.SLEEP,
         Command.WAKE_UP,
+        Command.SLEEP_STATE,
         Command.RELOAD_WEIGHTS,
         Command.UPDATE_WEIGHTS,
         Command.MEMORY_STATUS,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,13 @@ from dormant.layers.rotary import RotaryEmbedding
 from dormant.models import weights as weight_io
 from dormant.models.config import ModelConfig
 from dormant.models.decoder import DecoderModel, DecoderSpec
+
+
+class WeightWriteObserver(Protocol):
+    """Told about every weight write, so that no refit path is invisible to it."""
+
+    def written(self, names: Iterable[str]) -> None: ...
+    def failed(self) -> None: ...
 
 
 class CausalLM(nn.Module, ABC):
@@ -48,6 +55,7 @@ class CausalLM(nn.Module, ABC):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=config.dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.weight_observer: WeightWriteObserver | None = None
 
     @classmethod
     @abstractmethod
@@ -110,12 +118,24 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copies HF-named full tensors into the parameters in place (dtype cast on copy);
         returns the names written. Ignored names (``rotary_emb.inv_freq``; ``lm_head.weight``
-        of a tied model) are skipped and not returned."""
-        return weight_io.load_weights(
-            self, self.packed_modules_mapping, self.config.tie_word_embeddings, weights
-        )
+        of a tied model) are skipped and not returned. ``weight_observer`` hears of every
+        write, and of a failure partway (after which values may be mixed)."""
+        observer = self.weight_observer
+        try:
+            names = weight_io.load_weights(
+                self, self.packed_modules_mapping, self.config.tie_word_embeddings, weights
+            )
+        except BaseException:
+            if observer is not None:
+                observer.failed()
+            raise
+        if observer is not None:
+            observer.written(names)
+        return names
 
     def init_random_weights(self, seed: int) -> None:
         """Deterministic in-place init: N(0, 0.02) matrices/embeddings, ones for norm
-        weights, zeros for biases; identical across TP sizes."""
+        weights, zeros for biases; identical across TP sizes. Writes every weight."""
         weight_io.init_random_weights(self, self.packed_modules_mapping, seed)
+        if self.weight_observer is not None:
+            self.weight_observer.written(self.expected_weight_shapes())

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dormant.errors import EngineError
 
-class UnsupportedModelError(ValueError):
+
+class UnsupportedModelError(EngineError, ValueError):
     """The checkpoint's architecture or one of its features is not implemented."""
 
 
-class WeightError(ValueError):
+class WeightError(EngineError, ValueError):
     """Checkpoint tensors do not fit the model. ``problems`` lists one line per bad entry."""
 
     def __init__(self, problems: Sequence[str], hint: str) -> None:

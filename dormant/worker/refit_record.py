@@ -1,0 +1,36 @@
+"""Which weights of one rank hold current values (DESIGN §3 invariant 8).
+
+Every path that writes weights ends in ``CausalLM.load_weights`` (``update_weights``,
+``reload_weights``, a framework's ``model.load_weights`` through vLLM's attribute path, a worker
+extension, IPC or a weight-update group), and the model reports each write here, so no path is
+invisible to the record::
+
+    event                                  stale afterwards
+    ─────────────────────────────────────  ────────────────────────────────────
+    weights discarded (a level-2 sleep)    every weight
+    a load writes names N                  stale − N
+    a load fails partway                   every weight (values may be mixed)
+
+Generating is refused while anything is stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class RefitRecord:
+    """Invariant: ``stale`` is a subset of ``names``."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
+        self.stale: set[str] = set()
+
+    def discarded(self) -> None:
+        self.stale = set(self.names)
+
+    def written(self, names: Iterable[str]) -> None:
+        self.stale.difference_update(names)
+
+    def failed(self) -> None:
+        self.stale = set(self.names)
