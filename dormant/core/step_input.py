@@ -2,10 +2,25 @@
 
 The scheduler decides on ``Sequence`` objects in the driver (``ScheduledBatch.step_input``);
 workers (possibly in other processes, one per tensor-parallel rank) only ever see this.
+
+Workers keep no per-request state between steps, so a request's share of a step carries what
+its sampling features need at this step. A request that does not use a feature sends nothing
+for it (``None`` or empty), and the worker spends nothing on it:
+
+| field                  | sent when                                  | used for                   |
+|------------------------|--------------------------------------------|----------------------------|
+| output_token_ids       | any penalty is set, or a multi-token bad   | presence/frequency/        |
+|                        | word exists                                | repetition, bad words      |
+| prompt_token_ids       | ``repetition_penalty != 1``                | repetition penalty         |
+| masked_stop_token_ids  | fewer than ``min_tokens`` outputs so far   | ``min_tokens``             |
+| bad_words_token_ids    | the request has bad words                  | ``bad_words``              |
+| compute_prompt_logprobs| ``prompt_logprobs`` is set and this is the | prompt logprobs            |
+|                        | request's first prefill                    |                            |
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dormant.core.sampling_params import SamplingParams
@@ -14,7 +29,20 @@ from dormant.core.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class SeqInput:
     """One sequence's share of a step: tokens at positions ``start_position ..`` to compute,
-    then one token to sample (the ``num_output_tokens``-th output, with ``seed``)."""
+    then one token to sample (the ``num_output_tokens``-th output, with ``seed``).
+
+    Attributes beyond the tokens (see the module's table for when each is sent):
+        output_token_ids: every output token so far, oldest first.
+        prompt_token_ids: the whole prompt.
+        masked_stop_token_ids: ids whose logits are set to -inf for this token: while the
+            request has fewer than ``params.min_tokens`` outputs, its EOS ids (unless
+            ``ignore_eos``) and its ``stop_token_ids``.
+        bad_words_token_ids: each bad word as token ids. A one-token word is always masked;
+            a longer one masks its last token when the outputs end with its other tokens.
+        compute_prompt_logprobs: return ``prompt_logprobs`` for this step's positions whose
+            next token is in ``token_ids`` (all but the last). False on a recompute after a
+            preemption, so they are reported once.
+    """
 
     token_ids: tuple[int, ...]
     start_position: int
@@ -22,11 +50,35 @@ class SeqInput:
     params: SamplingParams
     seed: int
     num_output_tokens: int
+    output_token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    masked_stop_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    compute_prompt_logprobs: bool = False
 
     @property
     def seq_len(self) -> int:
         """Context length after this step."""
         return self.start_position + len(self.token_ids)
+
+    def advanced(self, token_id: int) -> SeqInput:
+        """The next decode step's input after this step sampled ``token_id``.
+
+        Precondition: ``block_table`` covers position ``seq_len`` (the new token's).
+        """
+        num_output_tokens = self.num_output_tokens + 1
+        outputs = self.output_token_ids
+        return dataclasses.replace(
+            self,
+            token_ids=(token_id,),
+            start_position=self.seq_len,
+            num_output_tokens=num_output_tokens,
+            output_token_ids=None if outputs is None else (*outputs, token_id),
+            masked_stop_token_ids=(
+                self.masked_stop_token_ids if num_output_tokens < self.params.min_tokens else ()
+            ),
+            compute_prompt_logprobs=False,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,23 +71,49 @@ class ScheduledBatch:
     def num_seqs(self) -> int:
         return len(self.seqs)
 
-    def step_input(self) -> StepInput:
-        """What the workers compute for this batch: plain data, no ``Sequence`` objects."""
-        seqs = []
-        for seq in self.seqs:
-            if self.is_prefill:
-                start = seq.num_computed_tokens
-                token_ids = tuple(seq.token_ids[start:])
-            else:
-                start, token_ids = seq.num_tokens - 1, (seq.last_token_id,)
-            seqs.append(
-                SeqInput(
-                    token_ids=token_ids,
-                    start_position=start,
-                    block_table=tuple(seq.block_table),
-                    params=seq.params,
-                    seed=seq.seed,
-                    num_output_tokens=seq.num_output_tokens,
-                )
-            )
-        return StepInput(tuple(seqs), self.is_prefill)
+    def step_input(self, eos_token_ids: frozenset[int]) -> StepInput:
+        """What the workers compute for this batch: plain data, no ``Sequence`` objects.
+
+        ``eos_token_ids`` are the engine's (model and tokenizer): ``min_tokens`` masks them
+        with ``stop_token_ids`` until a request has that many outputs, unless ``ignore_eos``.
+        Each feature's data is sent only by the requests that use it (``core/step_input.py``).
+        """
+        return StepInput(
+            tuple(self._seq_input(seq, eos_token_ids) for seq in self.seqs), self.is_prefill
+        )
+
+    def _seq_input(self, seq: Sequence, eos_token_ids: frozenset[int]) -> SeqInput:
+        params = seq.params
+        if self.is_prefill:
+            start = seq.num_computed_tokens
+            token_ids = tuple(seq.token_ids[start:])
+        else:
+            start, token_ids = seq.num_tokens - 1, (seq.last_token_id,)
+        bad_words = tuple(tuple(word) for word in params.bad_words_token_ids or ())
+        is_penalised = (params.presence_penalty, params.frequency_penalty) != (0.0, 0.0)
+        is_repetition_penalised = params.repetition_penalty != 1.0
+        needs_outputs = (
+            is_penalised or is_repetition_penalised or any(len(w) > 1 for w in bad_words)
+        )
+        masked: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            eos = () if params.ignore_eos else sorted(eos_token_ids)
+            masked = tuple(dict.fromkeys([*eos, *(params.stop_token_ids or ())]))
+        return SeqInput(
+            token_ids=token_ids,
+            start_position=start,
+            block_table=tuple(seq.block_table),
+            params=params,
+            seed=seq.seed,
+            num_output_tokens=seq.num_output_tokens,
+            output_token_ids=tuple(seq.output_token_ids) if needs_outputs else None,
+            prompt_token_ids=seq.prompt_token_ids if is_repetition_penalised else None,
+            masked_stop_token_ids=masked,
+            bad_words_token_ids=bad_words,
+            # The first prefill: nothing computed yet and no output (a recompute has outputs).
+            compute_prompt_logprobs=(
+                self.is_prefill
+                and params.prompt_logprobs is not None
+                and seq.num_output_tokens == 0
+            ),
+        )

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from dormant.core.commands import Command
 from dormant.core.step_input import StepInput
+from dormant.core.step_output import StepOutput
 
 
 class Executor(Protocol):
@@ -18,12 +19,15 @@ class Executor(Protocol):
         """Runs ``command`` on every rank; returns the results in rank order."""
         ...
 
-    def execute(self, step: StepInput) -> list[int]:
-        """Runs one model step on every rank; returns the sampled tokens (rank 0's)."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Runs one model step on every rank; returns rank 0's ``StepOutput`` (every rank
+        samples the same tokens): one token per sequence, with the logprobs asked for."""
         ...
 
-    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
-        """Runs the fused multi-step graph on every rank; returns each sequence's tokens."""
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
+        """Runs ``num_steps`` greedy decode steps on every rank (the fused multi-step graph
+        where the batch fits it); returns rank 0's ``StepOutput``, ``num_steps`` tokens and
+        their logprobs per sequence."""
         ...
 
     def shutdown(self) -> None: ...

@@ -4,8 +4,10 @@ Two kinds, one per captured batch size (a batch is padded up to the next size):
 
 - ``full``: one decode step, attention included: inputs → logits.
 - ``multi_step``: ``num_steps`` greedy decode steps in one replay, sampling and KV append
-  included. Between steps the graph feeds each sampled token back, advances the positions and
-  sequence lengths, and recomputes the slot mapping from the block tables, all on the device.
+  included, and each step's logprobs (the sampled token's value and rank and a fixed number of
+  top tokens, packed as ``worker/logprobs.py`` describes). Between steps the graph feeds each
+  sampled token back, advances the positions and sequence lengths, and recomputes the slot
+  mapping from the block tables, all on the device.
   This is the shape of graph that crashed in the prior art when block tables and their layout
   tensors were rebuilt on wake: it reads them at captured addresses, again and again.
 
@@ -25,12 +27,14 @@ from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import RUNTIME, MemoryManager
 from dormant.models import CausalLM
 from dormant.worker.input_buffers import InputBuffers
+from dormant.worker.logprobs import LogprobsMode, gather_logprobs, logprob_values, packed_width
 
 
 @dataclass(frozen=True)
 class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     output: torch.Tensor  # full: logits [bs, vocab]; multi_step: tokens [num_steps, bs]
+    logprobs: torch.Tensor | None = None  # multi_step: int32 [num_steps, bs, packed width]
 
 
 class DecodeGraphs:
@@ -42,11 +46,18 @@ class DecodeGraphs:
         batch_sizes: list[int],
         num_steps: int,
         max_model_len: int,
+        logprobs_mode: LogprobsMode,
+        num_top_logprobs: int,
     ) -> None:
+        """``num_top_logprobs``: the top tokens each multi-step logprobs row carries. Greedy
+        rows' processed logits are their logits, so ``logprobs_mode`` only picks logprobs
+        (log-softmax) or logits."""
         self.model, self.inputs, self.mm = model, inputs, mm
         self.batch_sizes = sorted(batch_sizes)
         self.num_steps = num_steps
         self.max_model_len = max_model_len
+        self.logprobs_mode = logprobs_mode
+        self.num_top_logprobs = num_top_logprobs
         self.full: dict[int, CapturedGraph] = {}
         self.multi_step: dict[int, CapturedGraph] = {}
 
@@ -59,8 +70,15 @@ class DecodeGraphs:
         for bs in reversed(self.batch_sizes):
             self.full[bs] = self._capture(lambda bs=bs: self._forward(bs))
             if self.num_steps > 1:
-                tokens = self.mm.empty((self.num_steps, bs), torch.int64, RUNTIME)
-                self.multi_step[bs] = self._capture(lambda bs=bs, t=tokens: self._steps(bs, t))
+                shapes = [
+                    ((self.num_steps, bs), torch.int64),
+                    ((self.num_steps, bs, packed_width(self.num_top_logprobs)), torch.int32),
+                ]
+                tokens, logprobs = self.mm.empty_many(shapes, RUNTIME)
+                captured = self._capture(
+                    lambda bs=bs, t=tokens, lp=logprobs: self._steps(bs, t, lp)
+                )
+                self.multi_step[bs] = CapturedGraph(captured.graph, tokens, logprobs)
         torch.cuda.synchronize()
 
     def _capture(self, body: Callable[[], torch.Tensor]) -> CapturedGraph:
@@ -92,13 +110,16 @@ class DecodeGraphs:
             hidden = self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs])
         return self.model.compute_logits(hidden)
 
-    def _steps(self, bs: int, tokens: torch.Tensor) -> torch.Tensor:
+    def _steps(self, bs: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         i, block_size = self.inputs, self.inputs.block_size
         ids, positions, slots = i.input_ids[:bs], i.positions[:bs], i.slot_mapping[:bs]
         seq_lens, tables = i.seq_lens[:bs], i.block_tables[:bs]
         for step in range(self.num_steps):
-            token = self._forward(bs).argmax(dim=-1)
+            logits = self._forward(bs)
+            token = logits.argmax(dim=-1)
             tokens[step].copy_(token)
+            values = logprob_values(logits, self.logprobs_mode)
+            logprobs[step].copy_(gather_logprobs(values, token, self.num_top_logprobs))
             if step + 1 == self.num_steps:
                 break
             ids.copy_(token)

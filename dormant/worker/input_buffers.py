@@ -18,6 +18,9 @@ with non-blocking copies, and the metadata views those prefixes.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -137,3 +140,42 @@ class InputBuffers:
         self._stage_padding(0, self.seq_lens.shape[0])
         for name, device_buffer in self.device_buffers.items():
             device_buffer.copy_(self._host[name][: device_buffer.shape[0]])
+
+
+class Staging:
+    """A reusable host buffer (pinned on CUDA) that brings small per-step arrays to the device
+    in one non-blocking copy.
+
+    It grows (doubling) when a step needs more. Precondition of ``stage``: the previous
+    step's copy from it has completed (the runner waits for each step's results), and the
+    tensors it returned are no longer used (on the CPU they view the buffer itself).
+    """
+
+    def __init__(self, device: torch.device, capacity: int = 4096) -> None:
+        self.device = device
+        self._host = self._allocate(capacity)
+
+    def stage(
+        self, ints: Sequence[np.ndarray], floats: Sequence[np.ndarray] = ()
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies the int64 ``ints`` and float32 ``floats`` to the device; returns them there,
+        in order. Each float array takes whole int64 entries (two float32 each)."""
+        lengths = [a.size for a in ints] + [(a.size + 1) // 2 for a in floats]
+        ends = [0, *itertools.accumulate(lengths)]
+        if ends[-1] > self._host.shape[0]:
+            self._host = self._allocate(max(ends[-1], 2 * self._host.shape[0]))
+        host = self._host.numpy()
+        for i, array in enumerate(ints):
+            host[ends[i] : ends[i + 1]] = array
+        for i, array in enumerate(floats, start=len(ints)):
+            host[ends[i] : ends[i + 1]].view(np.float32)[: array.size] = array
+        device = self._host[: ends[-1]].to(self.device, non_blocking=True)
+        views = [device[ends[i] : ends[i + 1]] for i in range(len(lengths))]
+        float_views = [
+            view.view(torch.float32)[: array.size]
+            for view, array in zip(views[len(ints) :], floats, strict=True)
+        ]
+        return views[: len(ints)], float_views
+
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        return torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")

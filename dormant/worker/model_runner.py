@@ -1,21 +1,47 @@
-"""Runs one step of the model on this rank: inputs in, one sampled token per sequence out.
+"""Runs one step of the model on this rank: inputs in, one sampled token per sequence out, with
+the logprobs asked for, computed on the device inside the step (DESIGN §3 invariant 11).
 
 Decode steps replay a captured CUDA graph when one fits (GPU, ``enforce_eager=False``); prefill
-and everything on the CPU run eagerly. Both paths read the same static input buffers.
+and everything on the CPU run eagerly. Both paths read the same static input buffers. Every
+step ends in one event-guarded device-to-host copy of its tokens and logprobs together
+(``HostCopy``); ``StepOutput`` is built from the host copy after its event.
+
+Sampling after the logits, in vLLM's order (``worker/sampler.py``, ``worker/penalties.py``):
+raw logprobs → bad words, ``min_tokens``, penalties → greedy argmax, or temperature, min-p,
+top-k, top-p and a seeded draw → processed logprobs → gather the sampled token's and the top-k.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
+
+import numpy as np
 import torch
 
-from dormant.core.config import EngineConfig
-from dormant.core.step_input import StepInput
+from dormant.core.config import EngineConfig, LogprobsMode
+from dormant.core.step_input import SeqInput, StepInput
+from dormant.core.step_output import SeqOutput, StepOutput
 from dormant.layers.context import forward_context
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM
 from dormant.worker.cuda_graphs import DecodeGraphs
-from dormant.worker.input_buffers import InputBuffers
-from dormant.worker.sampler import SamplingTensors, sample
+from dormant.worker.input_buffers import InputBuffers, Staging
+from dormant.worker.logprobs import (
+    HostCopy,
+    gather_logprobs,
+    logprob_values,
+    packed_width,
+    trim_top,
+    unpack_logprobs,
+)
+from dormant.worker.penalties import LogitsProcessors
+from dormant.worker.sampler import SamplingTensors, sample_and_process
+
+# The fused multi-step graph carries the sampled token's logprob and rank and at most this many
+# top logprobs (fewer when max_logprobs is smaller); a batch asking for more runs single steps.
+MAX_MULTI_STEP_TOP_LOGPROBS = 20
+# Prompt positions whose logits are materialised at once for prompt logprobs ([chunk, V]).
+PROMPT_LOGPROBS_CHUNK = 512
 
 
 class ModelRunner:
@@ -28,8 +54,19 @@ class ModelRunner:
         self.model = model
         self.mm = mm
         self.device = mm.backend.device
+        self.vocab_size = model.config.vocab_size
         self.inputs = InputBuffers(mm, config, null_block)
         self.graphs: DecodeGraphs | None = None
+        self.logprobs_mode: LogprobsMode = config.logprobs_mode
+        max_logprobs = config.max_logprobs  # -1: the whole vocabulary, more than a graph carries
+        self.multi_step_top_logprobs = (
+            MAX_MULTI_STEP_TOP_LOGPROBS
+            if max_logprobs < 0
+            else min(max_logprobs, MAX_MULTI_STEP_TOP_LOGPROBS)
+        )
+        self._penalty_staging = Staging(self.device)
+        self._prompt_staging = Staging(self.device)
+        self._host_copy = HostCopy(self.device)
 
     def capture_graphs(self) -> None:
         """Captures the decode graphs once (GPU only); they are never recaptured."""
@@ -38,34 +75,38 @@ class ModelRunner:
         sizes = config.cuda_graph_batch_sizes or (*powers, config.max_num_seqs)
         self.graphs = DecodeGraphs(
             self.model, self.inputs, self.mm, list(sizes), config.cuda_graph_multi_steps,
-            config.max_model_len,
+            config.max_model_len, self.logprobs_mode, self.multi_step_top_logprobs,
         )  # fmt: skip
         with torch.inference_mode():
             self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> list[int]:
-        """Computes ``step`` and returns its sampled tokens: one device-to-host copy."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Computes ``step``: one sampled token per sequence, its logprobs where asked, and the
+        prompt logprobs of first prefills that ask. One device-to-host copy."""
         num_seqs = len(step.seqs)
         padded = (
             None if step.is_prefill or self.graphs is None else self.graphs.padded_size(num_seqs)
         )
+        prompt = None
         if padded is not None:
             self.inputs.load(step, pad_to=padded)
             captured = self.graphs.full[padded]  # type: ignore[union-attr]
             captured.graph.replay()
             logits = captured.output[:num_seqs]
         else:
-            logits = self._eager(step)
-        sampling = SamplingTensors.from_sequences(
-            step.seqs, self.model.config.vocab_size, self.device
-        )
-        return sample(logits, sampling).tolist()
+            logits, prompt = self._eager(step)
+        tokens, logprobs = self._sample(logits, step.seqs)
+        parts = [tokens, *(p for p in (logprobs, prompt) if p is not None)]
+        self._host_copy.start(parts)
+        return self._step_output(step.seqs, 1, logprobs, prompt)
 
     @torch.inference_mode()
-    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
-        """Runs the fused multi-step graph: ``num_steps`` greedy tokens per sequence.
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
+        """``num_steps`` greedy decode steps per sequence, with their logprobs where asked.
 
+        The fused multi-step graph runs them in one replay when the batch fits it (see
+        ``fits_multi_step_graph``); otherwise they run as single steps, with the same results.
         Preconditions: a decode step of greedy requests whose block tables already cover
         positions up to ``start_position + num_steps - 1``, within ``max_model_len``.
         """
@@ -77,17 +118,157 @@ class ModelRunner:
         padded = self.graphs.padded_size(len(step.seqs))
         if step.is_prefill or padded is None:
             raise ValueError("multi-step graphs run decode batches of at most the largest size")
+        if not all(s.params.is_greedy for s in step.seqs):
+            raise ValueError("multi-step decoding is greedy: every request needs temperature 0")
+        if not self.fits_multi_step_graph(step.seqs):
+            return self.execute_single_steps(step, self.graphs.num_steps)
         self.inputs.load(step, pad_to=padded)
         captured = self.graphs.multi_step[padded]
         captured.graph.replay()
-        per_step = captured.output[:, : len(step.seqs)].tolist()
-        return [list(tokens) for tokens in zip(*per_step, strict=True)]
+        num_seqs = len(step.seqs)
+        tokens = captured.output[:, :num_seqs]
+        logprobs, num_top = None, _max_logprobs(step.seqs, self.vocab_size)
+        if num_top is not None:
+            assert captured.logprobs is not None
+            logprobs = trim_top(captured.logprobs[:, :num_seqs], num_top)
+        self._host_copy.start([tokens, *([] if logprobs is None else [logprobs])])
+        return self._step_output(step.seqs, self.graphs.num_steps, logprobs, None)
 
-    def _eager(self, step: StepInput) -> torch.Tensor:
+    def fits_multi_step_graph(self, seqs: SequenceOf[SeqInput]) -> bool:
+        """Whether the fused graph computes what these greedy decode rows ask: plain argmax
+        (no bad words, ``min_tokens`` mask or penalties) and at most the top logprobs it
+        carries. (Greedy rows' processed logits are their logits, so every logprobs mode fits.)
+        """
+        num_top = _max_logprobs(seqs, self.vocab_size)
+        if num_top is not None and num_top > self.multi_step_top_logprobs:
+            return False
+        return all(
+            not s.masked_stop_token_ids
+            and not s.bad_words_token_ids
+            and (s.params.repetition_penalty, s.params.presence_penalty) == (1.0, 0.0)
+            and s.params.frequency_penalty == 0.0
+            for s in seqs
+        )
+
+    def execute_single_steps(self, step: StepInput, num_steps: int) -> StepOutput:
+        """``num_steps`` decode steps, one ``execute`` each, feeding each token back: what the
+        fused graph computes, for batches it does not fit. Same preconditions."""
+        seqs, per_step = step.seqs, []
+        for _ in range(num_steps):
+            result = self.execute(StepInput(seqs, is_prefill=False)).seqs
+            per_step.append(result)
+            seqs = tuple(s.advanced(o.token_ids[0]) for s, o in zip(seqs, result, strict=True))
+        merged = []
+        for outputs in zip(*per_step, strict=True):
+            token_ids = tuple(o.token_ids[0] for o in outputs)
+            logprobs = [o.logprobs[0] for o in outputs if o.logprobs is not None]
+            merged.append(SeqOutput(token_ids, tuple(logprobs) if logprobs else None))
+        return StepOutput(tuple(merged))
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: SequenceOf[SeqInput]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens (int64 [n]) and, when any row asks, packed logprobs of them."""
+        mode = self.logprobs_mode
+        num_top = _max_logprobs(seqs, self.vocab_size)
+        processors = LogitsProcessors.build(seqs, self.vocab_size, self._penalty_staging)
+        values = None
+        if num_top is not None and mode.startswith("raw"):
+            values = logprob_values(logits, mode)
+            if values is logits and processors is not None:
+                values = logits.clone()  # the processors write the logits in place
+        if processors is not None:
+            logits = logits.contiguous()
+            processors.apply(logits)
+        sampling = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
+        keep_processed = num_top is not None and mode.startswith("processed")
+        tokens, processed = sample_and_process(logits, sampling, keep_processed)
+        if processed is not None:
+            values = logprob_values(processed, mode)
+        if values is None or num_top is None:
+            return tokens, None
+        return tokens, gather_logprobs(values, tokens, num_top)
+
+    def _eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of each sequence's last position, and packed prompt logprobs of the rows
+        that ask for them (None when none does)."""
         meta = self.inputs.load(step)
         num_tokens, num_seqs = step.num_tokens, len(step.seqs)
         with forward_context(meta):
             hidden = self.model(
                 self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens]
             )
-        return self.model.compute_logits(hidden[self.inputs.logits_indices[:num_seqs]])
+        logits = self.model.compute_logits(hidden[self.inputs.logits_indices[:num_seqs]])
+        return logits, self._prompt_logprobs(step.seqs, hidden)
+
+    def _prompt_logprobs(
+        self, seqs: SequenceOf[SeqInput], hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Packed logprobs of each actual next prompt token, at every computed position of the
+        rows with ``compute_prompt_logprobs`` but their last, in row order. Always the raw
+        log-softmax, as vLLM's prompt logprobs are."""
+        rows = [(r, s) for r, s in enumerate(seqs) if s.compute_prompt_logprobs]
+        if not rows:
+            return None
+        num_top = max(_num_logprobs(s.params.prompt_logprobs, self.vocab_size) for _, s in rows)
+        starts = np.cumsum([0, *(len(s.token_ids) for s in seqs)])
+        positions = [np.arange(starts[r], starts[r + 1] - 1) for r, _ in rows]
+        targets = [np.asarray(s.token_ids[1:], np.int64) for _, s in rows]
+        (positions_t, targets_t), _ = self._prompt_staging.stage(
+            [np.concatenate(positions), np.concatenate(targets)]
+        )
+        packs = []
+        for first in range(0, positions_t.shape[0], PROMPT_LOGPROBS_CHUNK):
+            chunk = slice(first, first + PROMPT_LOGPROBS_CHUNK)
+            chunk_logits = self.model.compute_logits(hidden[positions_t[chunk]])
+            values = chunk_logits.log_softmax(dim=-1)
+            packs.append(gather_logprobs(values, targets_t[chunk], num_top))
+        empty = torch.empty((0, packed_width(num_top)), dtype=torch.int32, device=self.device)
+        return torch.cat([empty, *packs])
+
+    def _step_output(
+        self,
+        seqs: SequenceOf[SeqInput],
+        num_steps: int,
+        logprobs: torch.Tensor | None,
+        prompt: torch.Tensor | None,
+    ) -> StepOutput:
+        """Waits for the step's host copy and reads it back: tokens [num_steps, n], then the
+        packed logprobs [num_steps, n, w], then the packed prompt logprobs."""
+        host = self._host_copy.wait()
+        num_seqs = len(seqs)
+        end = num_steps * num_seqs
+        tokens = host[:end].reshape(num_steps, num_seqs).T.tolist()
+        per_token = None
+        if logprobs is not None:
+            width = logprobs.shape[-1]
+            packed = host[end : end + num_steps * num_seqs * width].reshape(-1, width)
+            end += packed.size
+            per_token = unpack_logprobs(packed)  # step-major: [step * num_seqs + row]
+        prompt_entries = []
+        if prompt is not None:
+            prompt_entries = unpack_logprobs(host[end:].reshape(-1, prompt.shape[-1]))
+        outputs, next_prompt = [], 0
+        for row, seq in enumerate(seqs):
+            seq_logprobs = None
+            if per_token is not None and seq.params.logprobs is not None:
+                seq_logprobs = tuple(per_token[s * num_seqs + row] for s in range(num_steps))
+            seq_prompt = None
+            if seq.compute_prompt_logprobs:
+                count = len(seq.token_ids) - 1
+                seq_prompt = tuple(prompt_entries[next_prompt : next_prompt + count])
+                next_prompt += count
+            outputs.append(SeqOutput(tuple(tokens[row]), seq_logprobs, seq_prompt))
+        return StepOutput(tuple(outputs))
+
+
+def _num_logprobs(requested: int | bool | None, vocab_size: int) -> int:
+    """vLLM's count: ``-1`` is the whole vocabulary (True, as vLLM takes it, is 1)."""
+    count = int(requested or 0)
+    return vocab_size if count < 0 else min(count, vocab_size)
+
+
+def _max_logprobs(seqs: SequenceOf[SeqInput], vocab_size: int) -> int | None:
+    """The most top logprobs any row asks for, or None when no row asks for logprobs."""
+    asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    return max(_num_logprobs(k, vocab_size) for k in asked) if asked else None

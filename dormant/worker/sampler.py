@@ -29,11 +29,12 @@ _MIX_SHIFTS = (16, 15, 15)
 _NUM_UNIFORM_BITS = 23
 # Distinct salts give the two per-row keys independent hashes of (seed, step).
 _KEY_SALTS = (0x9E3779B9, 0x7F4A7C15)
-# Rows of the packed int64 host buffer; _FLOAT_ROW holds temperatures then top_ps as float32.
+# Rows of the packed int64 host buffer; _FLOAT_ROWS hold temperatures, top_ps, then min_ps as
+# float32 (two float32 per int64 entry).
 _SEED_ROW, _STEP_ROW, _TOP_K_ROW, _GREEDY_ROW = range(4)
 _KEY_ROWS = slice(4, 6)
-_FLOAT_ROW = 6
-_NUM_PACKED_ROWS = 7
+_FLOAT_ROWS = slice(6, 8)
+_NUM_PACKED_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,9 @@ class SamplingTensors:
     """Per-row sampling parameters on the device, for a batch of ``n`` rows.
 
     ``top_ks`` holds the vocabulary size for rows without top-k (keep all tokens), and
-    ``steps`` the output position of the token being sampled. ``noise_keys`` are the
+    ``steps`` the output position of the token being sampled. Greedy rows are never filtered
+    (top-k = vocabulary, top-p 1, min-p 0, temperature 1), as vLLM resets those parameters for
+    greedy requests: their processed logits are the logits. ``noise_keys`` are the
     per-row hashes of ``(seeds, steps)`` (see ``noise_keys``), computed on the host so the
     device only does per-element work. The host-side flags are computed when the tensors
     are built, so branching on them costs no synchronization.
@@ -50,12 +53,13 @@ class SamplingTensors:
     temperatures: torch.Tensor  # float32 [n]; 1.0 on greedy rows (unused there)
     top_ks: torch.Tensor  # int32 [n], in 1 .. vocab_size
     top_ps: torch.Tensor  # float32 [n], in (0, 1]
+    min_ps: torch.Tensor  # float32 [n], in [0, 1]
     seeds: torch.Tensor  # int64 [n] (the 64-bit seed, two's complement)
     steps: torch.Tensor  # int64 [n]
     is_greedy: torch.Tensor  # bool [n]
     noise_keys: torch.Tensor  # int64 [2, n]
     is_all_greedy: bool
-    is_any_filtered: bool  # some random row has top_k < vocab_size or top_p < 1
+    is_any_filtered: bool  # some random row has top_k < vocab_size, top_p < 1 or min_p > 0
 
     @classmethod
     def from_sequences(
@@ -68,36 +72,43 @@ class SamplingTensors:
         """
         device = torch.device(device)
         num_seqs = len(seqs)
-        seeds, steps, top_ks, greedy_flags, temperatures, top_ps = [], [], [], [], [], []
+        seeds, steps, top_ks, greedy_flags = [], [], [], []
+        temperatures: list[float] = []
+        top_ps: list[float] = []
+        min_ps: list[float] = []
         for seq in seqs:
             params = seq.params
             seed = seq.seed & _MASK_64
             seeds.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
             steps.append(seq.num_output_tokens)
-            top_ks.append(vocab_size if params.top_k is None else min(params.top_k, vocab_size))
-            greedy_flags.append(params.is_greedy)
-            temperatures.append(1.0 if params.is_greedy else params.temperature)
-            top_ps.append(params.top_p)
+            greedy = params.is_greedy
+            # top_k None, 0 or -1 all mean "off" (vLLM's callers pass all three).
+            top_k = 0 if greedy or params.top_k is None else params.top_k
+            top_ks.append(vocab_size if top_k <= 0 else min(top_k, vocab_size))
+            greedy_flags.append(greedy)
+            temperatures.append(1.0 if greedy else params.temperature)
+            top_ps.append(1.0 if greedy else params.top_p)
+            min_ps.append(0.0 if greedy else params.min_p)
         packed = torch.empty(
             (_NUM_PACKED_ROWS, num_seqs), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         int_rows = [seeds, steps, top_ks, greedy_flags]
         packed[: len(int_rows)] = torch.tensor(int_rows, dtype=torch.int64)
         packed[_KEY_ROWS] = noise_keys(packed[_SEED_ROW], packed[_STEP_ROW])
-        packed[_FLOAT_ROW].view(torch.float32).copy_(
-            torch.tensor([*temperatures, *top_ps], dtype=torch.float32)
-        )
+        floats = packed[_FLOAT_ROWS].view(-1).view(torch.float32)
+        floats[: 3 * num_seqs] = torch.tensor([*temperatures, *top_ps, *min_ps])
         is_all_greedy = all(greedy_flags)
         is_any_filtered = any(
-            not greedy and (top_k < vocab_size or top_p < 1.0)
-            for greedy, top_k, top_p in zip(greedy_flags, top_ks, top_ps, strict=True)
+            top_k < vocab_size or top_p < 1.0 or min_p > 0.0
+            for top_k, top_p, min_p in zip(top_ks, top_ps, min_ps, strict=True)
         )
         on_device = packed.to(device, non_blocking=True)
-        device_floats = on_device[_FLOAT_ROW].view(torch.float32)
+        device_floats = on_device[_FLOAT_ROWS].reshape(-1).view(torch.float32)
         return cls(
             temperatures=device_floats[:num_seqs],
             top_ks=on_device[_TOP_K_ROW].to(torch.int32),
-            top_ps=device_floats[num_seqs:],
+            top_ps=device_floats[num_seqs : 2 * num_seqs],
+            min_ps=device_floats[2 * num_seqs : 3 * num_seqs],
             seeds=on_device[_SEED_ROW],
             steps=on_device[_STEP_ROW],
             is_greedy=on_device[_GREEDY_ROW].bool(),
@@ -110,40 +121,56 @@ class SamplingTensors:
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """One token id per row of ``logits`` (float32 [n, V]) as an int64 [n] device tensor.
 
-    Greedy rows take the argmax. Random rows divide by their temperature, keep their top-k
-    tokens, then the smallest top-p mass of those (renormalized), and sample from what is
-    left. Never synchronizes with the host.
+    Greedy rows take the argmax. Random rows divide by their temperature, keep the tokens
+    that pass min-p and their top-k, then the smallest top-p mass of those (renormalized), and
+    sample from what is left. Never synchronizes with the host.
     """
+    return sample_and_process(logits, t, keep_processed=False)[0]
+
+
+def sample_and_process(
+    logits: torch.Tensor, t: SamplingTensors, keep_processed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample``, and with ``keep_processed`` also the logits it sampled from (float32
+    [n, V], vocabulary order): divided by the temperature, filtered tokens at -inf; greedy
+    rows' are their logits. That is vLLM's "processed" logits. ``logits`` is not modified."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         raise TypeError(
             f"sample needs float32 logits of shape [n, V], got {logits.dtype} {tuple(logits.shape)}"
         )
     greedy_tokens = logits.argmax(dim=-1)
     if t.is_all_greedy:
-        return greedy_tokens
+        return greedy_tokens, logits if keep_processed else None
     scaled = logits / t.temperatures[:, None]
     if t.is_any_filtered:
         scaled, vocab_ids = scaled.sort(dim=-1, descending=True, stable=True)
-        scaled = scaled.masked_fill(~_top_k_top_p_mask(scaled, t), float("-inf"))
+        scaled = scaled.masked_fill(~_filter_mask(scaled, t), float("-inf"))
     else:
         vocab_ids = None
+    processed = None
+    if keep_processed:
+        processed = scaled if vocab_ids is None else scaled.scatter(-1, vocab_ids, scaled)
     # Unnormalized probabilities: the argmax does not need the sum, and skipping it keeps
     # the result bitwise independent of whether the row went through the sort.
-    probs = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+    probs = scaled.sub(scaled.amax(dim=-1, keepdim=True)).exp_()
     noise = exponential_noise(t.noise_keys, logits.shape[-1], vocab_ids)
     choice = probs.div_(noise).argmax(dim=-1, keepdim=True)
     random_tokens = choice.squeeze(-1) if vocab_ids is None else vocab_ids.gather(-1, choice)
-    return torch.where(t.is_greedy, greedy_tokens, random_tokens.reshape(-1))
+    return torch.where(t.is_greedy, greedy_tokens, random_tokens.reshape(-1)), processed
 
 
-def _top_k_top_p_mask(sorted_logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Which entries of each descending row to keep: its top-k, then the top-p of those.
+def _filter_mask(sorted_logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Which entries of each descending row to keep: those within ``min_p`` of the most likely
+    one and in the top-k, then the top-p of those (vLLM applies min-p, top-k, top-p in turn).
 
     The first entry is always kept, and rows with ``top_p == 1`` keep all of their top-k
     (a float cumulative sum can pass 1.0 early and would drop the tail otherwise).
     """
     ranks = torch.arange(sorted_logits.shape[-1], device=sorted_logits.device)
     keep = ranks[None, :] < t.top_ks[:, None]
+    # p_v < min_p * p_max, with p_v / p_max = exp(l_v - l_max); rows with min_p 0 keep all.
+    relative = sorted_logits.sub(sorted_logits[:, :1]).exp_()
+    keep &= relative >= t.min_ps[:, None]
     probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     top_ps = t.top_ps[:, None]

@@ -15,6 +15,7 @@ from dormant.worker.sampler import (
     exponential_noise,
     noise_keys,
     sample,
+    sample_and_process,
 )
 
 VOCAB_SIZE = 50
@@ -42,8 +43,8 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_from_sequences_builds_rows() -> None:
     seqs = [
-        make_seq(3, seed=5, temperature=0.5, top_k=7, top_p=0.9),
-        make_seq(0, seed=2**64 - 1, temperature=0.0),
+        make_seq(3, seed=5, temperature=0.5, top_k=7, top_p=0.9, min_p=0.25),
+        make_seq(0, seed=2**64 - 1, temperature=0.0, top_k=3, top_p=0.5, min_p=0.5),
         make_seq(1, seed=-2, top_k=10_000),
     ]
     t = tensors(seqs)
@@ -53,7 +54,8 @@ def test_from_sequences_builds_rows() -> None:
     assert t.is_greedy.dtype == torch.bool
     assert t.temperatures.tolist() == [0.5, 1.0, 1.0]
     assert t.top_ks.tolist() == [7, VOCAB_SIZE, VOCAB_SIZE]
-    assert t.top_ps.tolist() == pytest.approx([0.9, 1.0, 1.0])
+    assert t.top_ps.tolist() == pytest.approx([0.9, 1.0, 1.0])  # greedy rows are unfiltered
+    assert t.min_ps.tolist() == [0.25, 0.0, 0.0]
     assert t.seeds.tolist() == [5, -1, -2]
     assert t.steps.tolist() == [3, 0, 1]
     assert t.is_greedy.tolist() == [False, True, False]
@@ -66,6 +68,13 @@ def test_flags() -> None:
     unfiltered = tensors([make_seq(temperature=0.0, top_k=3), make_seq()])
     assert not unfiltered.is_all_greedy and not unfiltered.is_any_filtered
     assert tensors([make_seq(top_p=0.5)]).is_any_filtered
+    assert tensors([make_seq(min_p=0.1)]).is_any_filtered
+
+
+@pytest.mark.parametrize("top_k", [None, 0, -1])
+def test_top_k_off_spellings_keep_every_token(top_k: int | None) -> None:
+    t = tensors([make_seq(top_k=top_k)])
+    assert t.top_ks.tolist() == [VOCAB_SIZE] and not t.is_any_filtered
 
 
 def test_empty_batch() -> None:
@@ -143,6 +152,7 @@ def test_distribution_matches_softmax_over_steps() -> None:
         temperatures=row.temperatures.expand(num_steps),
         top_ks=row.top_ks.expand(num_steps),
         top_ps=row.top_ps.expand(num_steps),
+        min_ps=row.min_ps.expand(num_steps),
         seeds=row.seeds.expand(num_steps),
         steps=torch.arange(num_steps),
         is_greedy=row.is_greedy.expand(num_steps),
@@ -170,6 +180,26 @@ def test_top_p_distribution_is_renormalized() -> None:
     assert counts[2:].sum() == 0
     probs = torch.tensor([0.47, 0.26], dtype=torch.float64) / 0.73
     assert chi_square(counts[:2], probs) < 15
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best() -> None:
+    # probs ~ [0.5, 0.3, 0.15, 0.05]: min_p=0.25 keeps p >= 0.125, the first three.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = sample_many(logits, 20_000, min_p=0.25)
+    assert counts[3] == 0
+    probs = torch.tensor([0.5, 0.3, 0.15], dtype=torch.float64) / 0.95
+    assert chi_square(counts[:3], probs) < 15
+
+
+def test_processed_logits_follow_vllm() -> None:
+    """Random rows: divided by the temperature, filtered tokens at -inf; greedy rows: as is."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]]))
+    seqs = [make_seq(temperature=0.5, top_k=3, min_p=0.2), make_seq(temperature=0.0, top_k=1)]
+    _, processed = sample_and_process(logits, tensors(seqs, vocab_size=4), keep_processed=True)
+    assert processed is not None
+    scaled = logits[0] / 0.5  # p ~ [.68, .24, .06, .006]: min_p 0.2 keeps two, top-k three
+    expected = torch.stack([scaled.masked_fill(torch.arange(4) >= 2, float("-inf")), logits[1]])
+    torch.testing.assert_close(processed, expected)
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(1, 1.0), (4, 1.0), (None, 0.3), (8, 0.6)])

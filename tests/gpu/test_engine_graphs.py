@@ -12,6 +12,7 @@ import torch
 
 from dormant import LLM, SamplingParams
 from dormant.core.step_input import StepInput
+from dormant.core.step_output import StepOutput
 from dormant.engine.batch import ScheduledBatch
 from tests.engine.conftest import PROMPTS, write_checkpoint
 
@@ -64,10 +65,14 @@ def multi_step_tokens(llm: LLM) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()  # the prefill: KV for every prompt, one token each
     running = [engine.scheduler._unfinished_by_id[i] for i in ids]
-    step = ScheduledBatch(tuple(running), False, len(running)).step_input()
-    result = engine.executor.worker.execute_multi_step(step)
+    step = ScheduledBatch(tuple(running), False, len(running)).step_input(
+        engine.runtime.eos_token_ids
+    )
+    result = engine.executor.worker.execute_multi_step(step).seqs
     engine.abort_request(ids)
-    return [[seq.output_token_ids[0], *toks] for seq, toks in zip(running, result, strict=True)]
+    return [
+        [seq.output_token_ids[0], *out.token_ids] for seq, out in zip(running, result, strict=True)
+    ]
 
 
 def cycle(llm: LLM, level: int) -> None:
@@ -108,7 +113,7 @@ def test_greedy_decodes_run_through_the_multi_step_graph(engines, checkpoint) ->
     replays: list[int] = []
     run_multi_step = executor.execute_multi_step
 
-    def counted(step: StepInput) -> list[list[int]]:
+    def counted(step: StepInput) -> StepOutput:
         replays.append(len(step.seqs))
         return run_multi_step(step)
 

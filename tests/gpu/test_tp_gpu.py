@@ -30,11 +30,14 @@ def multi_step(llm: LLM) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()
     running = [engine.scheduler._unfinished_by_id[i] for i in ids]
-    step = ScheduledBatch(tuple(running), False, len(running)).step_input()
+    step = ScheduledBatch(tuple(running), False, len(running)).step_input(
+        engine.runtime.eos_token_ids
+    )
     per_rank = engine.executor.run(Command.EXECUTE_MULTI_STEP, step)
     engine.abort_request(ids)
     assert per_rank[0] == per_rank[1]  # every rank sampled the same tokens
-    return [[s.output_token_ids[0], *t] for s, t in zip(running, per_rank[0], strict=True)]
+    seqs = per_rank[0].seqs
+    return [[s.output_token_ids[0], *o.token_ids] for s, o in zip(running, seqs, strict=True)]
 
 
 def test_tp2_lifecycle_on_two_gpus(tmp_path) -> None:
