@@ -20,6 +20,7 @@ from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
 from dormant.core.errors import EngineDeadError
 from dormant.core.step_input import StepInput
+from dormant.core.step_output import StepOutput
 from dormant.executors.worker_process import worker_main
 
 STARTUP_TIMEOUT_S = 600.0
@@ -65,10 +66,10 @@ class MultiprocExecutor:
                 self._die(f"a worker stopped answering ({error})")
         return self._gather(COMMAND_TIMEOUT_S)
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepOutput:
         return self.run(Command.EXECUTE, step)[0]  # every rank sampled the same tokens
 
-    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
         return self.run(Command.EXECUTE_MULTI_STEP, step)[0]
 
     def shutdown(self) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
 from dormant.core.step_input import StepInput
+from dormant.core.step_output import StepOutput
 from dormant.worker.worker import Worker
 
 
@@ -21,10 +22,10 @@ class UniprocExecutor:
     def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
         return [self.worker.handle(command, *args, **kwargs)]
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)
 
-    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
         return self.worker.execute_multi_step(step)
 
     def shutdown(self) -> None:

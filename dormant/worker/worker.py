@@ -20,6 +20,7 @@ from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
 from dormant.core.errors import EngineAsleepError
 from dormant.core.step_input import StepInput
+from dormant.core.step_output import StepOutput
 from dormant.distributed.parallel_state import all_reduce_min
 from dormant.memory import RUNTIME, WEIGHTS, AuditReport, MemoryManager, MemoryStatus
 from dormant.models import CausalLM, build_model, iterate_safetensors, iterate_safetensors_metadata
@@ -121,10 +122,10 @@ class Worker:
         graphs = self.runner.graphs
         return max(graphs.multi_step, default=0) if graphs is not None else 0
 
-    def execute_multi_step(self, step: StepInput) -> list[list[int]]:
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
         return self.runner.execute_multi_step(step)
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
     def sleep(self, level: int | None, tags: dict[str, str] | None = None) -> dict[str, str]:
