@@ -145,15 +145,16 @@ class LLMEngine:
         self.check_can_generate()
         batch = self.scheduler.schedule()
         assert batch is not None
-        step = batch.step_input()
+        step = batch.step_input(self.runtime.eos_token_ids)
         try:
             if batch.num_steps > 1:  # greedy decode: the fused multi-step graph
-                tokens = self.executor.execute_multi_step(step)
+                output = self.executor.execute_multi_step(step)
             else:
-                tokens = [[token] for token in self.executor.execute(step)]
+                output = self.executor.execute(step)
         except BaseException:
             self.scheduler.preempt_all()  # the step is redone from recomputed KV
             raise
+        tokens = [list(seq.token_ids) for seq in output.seqs]
         return [self._output(seq) for seq in self.scheduler.postprocess_steps(batch, tokens)]
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
