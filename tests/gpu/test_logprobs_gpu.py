@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def make_worker(checkpoint: Path) -> Iterator[Callable[..., Worker]]:
     """Builds one worker at a time (one memory manager per device); shuts it down after."""
     made: list[Worker] = []
 
-    def make(**options: object) -> Worker:
+    def make(**options: Any) -> Worker:
         for worker in made:
             worker.shutdown()
         made.clear()

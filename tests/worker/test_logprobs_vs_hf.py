@@ -68,6 +68,7 @@ def processed(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return logits
     scaled = logits / params.temperature
     sorted_values, order = scaled.sort(dim=-1, descending=True)
+    assert params.top_k is not None
     keep = (torch.arange(scaled.shape[-1]) < params.top_k).expand_as(scaled)
     # top-p over the renormalised top-k: keep while the mass before a token is below top_p
     kept_probs = sorted_values.masked_fill(~keep, float("-inf")).softmax(dim=-1)

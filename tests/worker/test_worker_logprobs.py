@@ -3,6 +3,7 @@ logits modes, and the single-step path of ``execute_multi_step`` (CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,7 +13,14 @@ from worker_setup import BLOCK_SIZE, MAX_MODEL_LEN, VOCAB_SIZE
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_input import SeqInput, StepInput
-from dormant.worker.logprobs import HostCopy, gather_logprobs, trim_top, unpack_logprobs
+from dormant.worker.cuda_graphs import DecodeGraphs
+from dormant.worker.logprobs import (
+    HostCopy,
+    gather_logprobs,
+    packed_width,
+    trim_top,
+    unpack_logprobs,
+)
 from dormant.worker.worker import Worker
 
 BLOCKS_PER_SEQ = MAX_MODEL_LEN // BLOCK_SIZE
@@ -104,7 +112,7 @@ def test_logits_modes_return_logits(worker: Worker) -> None:
     step = decode_batch(worker, params)
     results = {}
     for mode in ("raw_logprobs", "raw_logits", "processed_logits"):
-        worker.runner.logprobs_mode = mode  # type: ignore[assignment]
+        worker.runner.logprobs_mode = mode
         results[mode] = worker.execute(step).seqs[0].logprobs[0]  # type: ignore[index]
     raw_logprobs, raw_logits, processed = results.values()
     assert raw_logits.token_ids == raw_logprobs.token_ids  # same order, shifted values
@@ -138,3 +146,37 @@ def test_single_steps_equal_separate_decodes(worker: Worker) -> None:
     assert not worker.runner.fits_multi_step_graph(step.seqs)
     plain = [SeqInput((1,), 4, (0,), SamplingParams(temperature=0.0, logprobs=5), 0, 1)]
     assert worker.runner.fits_multi_step_graph(plain)
+
+
+def test_multi_step_graph_body_equals_single_steps(worker: Worker) -> None:
+    """The fused graph's body, run eagerly on the CPU (capturing needs CUDA): its tokens and
+    packed logprobs, cut to the batch's top-k, are what single steps return."""
+    runner = worker.runner
+    params = [SamplingParams(temperature=0.0, logprobs=3)] * 3
+    step = decode_batch(worker, params)
+    step = StepInput(
+        tuple(dataclasses.replace(s, token_ids=(20 + i,)) for i, s in enumerate(step.seqs)), False
+    )
+    single = runner.execute_single_steps(step, 4).seqs
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.inputs,
+        runner.mm,
+        [4],
+        4,
+        MAX_MODEL_LEN,
+        runner.logprobs_mode,
+        runner.multi_step_top_logprobs,
+    )
+    tokens = torch.empty(4, 4, dtype=torch.int64)
+    packed = torch.empty(4, 4, packed_width(runner.multi_step_top_logprobs), dtype=torch.int32)
+    with torch.inference_mode():
+        runner.inputs.load(step, pad_to=4)
+        graphs._steps(4, tokens, packed)
+    entries = unpack_logprobs(trim_top(packed[:, :3], 3).reshape(12, -1).numpy())
+    for row in range(3):
+        assert tuple(tokens[:, row].tolist()) == single[row].token_ids
+        for s, expected in enumerate(single[row].logprobs or ()):
+            ours = entries[s * 3 + row]
+            assert ours.token_ids == expected.token_ids and ours.ranks == expected.ranks
+            np.testing.assert_allclose(ours.logprobs, expected.logprobs, atol=1e-5)
