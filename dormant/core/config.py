@@ -6,17 +6,28 @@ Values discovered at run time (the number of KV blocks, EOS ids) are not here: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
+from dormant.core.errors import UnsupportedOptionError
+from dormant.core.vllm_options import resolve_vllm_options
 from dormant.models import ModelConfig
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+    "half": torch.float16, "bfloat16": torch.bfloat16,
+}  # fmt: skip
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-LoadFormat = Literal["auto", "dummy"]
+LoadFormat = Literal["auto", "safetensors", "dummy"]
+# vLLM's four values: what the logprobs (and the multi-step graph's) report: of the model's raw
+# logits, or of the logits the sampler used (temperature, top-k/p, min-p, penalties applied).
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+# vLLM's names for how the workers are reached; "uni" is the in-process single rank.
+ExecutorBackend = Literal["uni", "mp", "external_launcher"]
+DEFAULT_MAX_NUM_SEQS = 64
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,12 @@ class EngineConfig:
 
     ``model`` is a Hugging Face directory (``config.json`` + safetensors), or a ``ModelConfig``
     for a random-initialised model (``load_format="dummy"``, seeded by ``seed``).
+
+    vLLM options with no dormant field (``quantization``, ``compilation_config``...) are
+    resolved by ``create`` (see ``core/vllm_options.py``): a value dormant cannot honour raises
+    ``UnsupportedOptionError``. ``enable_prefix_caching`` and ``enable_chunked_prefill`` are
+    recorded only: dormant has no prefix cache yet and prefills whole prompts, neither of
+    which changes what is generated.
     """
 
     model: str | None
@@ -39,19 +56,26 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     max_model_len: int = 2048
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 4096
     enable_sleep_mode: bool = True
     enforce_eager: bool = False  # False: decode runs from CUDA graphs on a GPU
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... max_num_seqs
     cuda_graph_multi_steps: int = 4  # steps of the fused multi-step graph; < 2 captures none
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = (
-        None  # "mp" (default for TP > 1) or "external_launcher"
-    )
+    # None: "uni" for one rank, "mp" for more; "external_launcher": this process is one rank
+    distributed_executor_backend: ExecutorBackend | None = None
+    worker_extension_cls: str | None = None  # vLLM's: "pkg.module.Class" mixed into workers
     memory_poison: bool = False  # debug: fill discarded memory with 0xFF on wake
     memory_strict: bool = False  # refuse to discard undeclared allocations
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    max_logprobs: int = 20  # the most logprobs a request may ask for; -1: the vocabulary
+    skip_tokenizer_init: bool = False  # prompts are token ids; outputs carry no text
+    trust_remote_code: bool = False  # passed to the tokenizer and config loaders
+    served_model_name: str | tuple[str, ...] | None = None
+    enable_prefix_caching: bool = False  # recorded; dormant has no prefix cache yet
+    enable_chunked_prefill: bool | None = None  # recorded; prompts are prefilled whole
+    disable_log_stats: bool = True  # dormant logs no stats either way
 
     @classmethod
     def create(
@@ -68,6 +92,11 @@ class EngineConfig:
 
         Unknown options raise TypeError: a misspelled option must never be silently ignored.
         """
+        options = resolve_vllm_options(options)
+        if options.get("max_num_seqs", 0) is None:
+            options["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS
+        if isinstance(options.get("served_model_name"), list):
+            options["served_model_name"] = tuple(options["served_model_name"])
         if isinstance(model, ModelConfig):
             model_config, path = model, None
             options.setdefault("load_format", "dummy")
@@ -87,8 +116,30 @@ class EngineConfig:
         )
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        _check_supported("load_format", self.load_format, get_args(LoadFormat))
+        _check_supported("logprobs_mode", self.logprobs_mode, get_args(LogprobsMode))
+        if self.distributed_executor_backend == "ray":
+            raise UnsupportedOptionError(
+                "distributed_executor_backend='ray' is not supported: dormant reaches its "
+                "ranks in-process ('uni'), one process per rank ('mp'), or through torchrun "
+                "('external_launcher')"
+            )
+        _check_supported(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            (None, *get_args(ExecutorBackend)),
+        )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
+            raise UnsupportedOptionError(
+                "distributed_executor_backend='uni' runs one rank in this process, but "
+                f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or "
+                "'external_launcher'"
+            )
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be an int >= 0, or -1 for the vocabulary size; got "
+                f"{self.max_logprobs!r}"
+            )
         if self.model is None and self.load_format != "dummy":
             raise ValueError("a model given as a ModelConfig has no checkpoint: use 'dummy'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -98,11 +149,6 @@ class EngineConfig:
         for name in ("block_size", "max_model_len", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
-            raise ValueError(
-                "distributed_executor_backend must be 'mp' or 'external_launcher', got "
-                f"{self.distributed_executor_backend!r}"
-            )
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's "
@@ -116,6 +162,14 @@ class EngineConfig:
     @property
     def max_num_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def _check_supported(name: str, value: object, supported: tuple[object, ...]) -> None:
+    if value not in supported:
+        raise UnsupportedOptionError(
+            f"{name}={value!r} is not supported by dormant; supported: "
+            f"{', '.join(repr(v) for v in supported)}"
+        )
 
 
 def _resolve_dtype(dtype: str | torch.dtype, default: torch.dtype) -> torch.dtype:

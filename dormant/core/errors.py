@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from dormant.errors import EngineError  # the root; dormant.engine re-exports it
 from dormant.memory.errors import SleepConflictError
 
-
-class EngineError(RuntimeError):
-    """Base class of the engine's errors."""
 
 
 class EngineAsleepError(EngineError):
@@ -24,6 +22,10 @@ class SleepLevelConflictError(EngineError, SleepConflictError):
     """``sleep(level)`` on an engine already asleep at another level."""
 
 
+class RankStateMismatchError(EngineError):
+    """Tensor-parallel ranks report different sleep states (after a failure on some of them)."""
+
+
 class SleepModeDisabledError(EngineError):
     """``sleep`` on an engine built with ``enable_sleep_mode=False``."""
 
@@ -34,3 +36,16 @@ class UnknownRpcMethodError(EngineError, ValueError):
 
 class EngineDeadError(EngineError):
     """A worker process died or stopped answering; the engine was shut down."""
+
+
+class InvalidSamplingParamsError(EngineError, ValueError):
+    """A ``SamplingParams`` field has a value vLLM refuses too; nothing was queued."""
+
+
+class UnsupportedOptionError(EngineError, ValueError):
+    """A vLLM option (of ``LLM(...)``) or feature has a value dormant cannot honour."""
+
+
+class UnsupportedSamplingParamsError(InvalidSamplingParamsError, UnsupportedOptionError):
+    """A request uses a vLLM sampling feature dormant does not implement (structured outputs,
+    logits processors); it is refused, never run without the feature."""

@@ -1,0 +1,104 @@
+"""vLLM ``LLM(...)`` options that have no ``EngineConfig`` field of their own: each is checked
+against what dormant can honour, and mapped onto dormant's options where it has a meaning.
+
+| option                      | accepted                         | dormant                       |
+|-----------------------------|----------------------------------|-------------------------------|
+| quantization                | None                             | weights as in the checkpoint  |
+| pipeline_parallel_size      | 1                                | tensor parallelism only       |
+| enable_expert_parallel      | False                            | no MoE models                 |
+| model_impl                  | "auto"                           | dormant's own models          |
+| scheduling_policy           | "fcfs"                           | first come, first served      |
+| swap_space                  | any GiB >= 0                     | never swaps (recompute)       |
+| disable_custom_all_reduce   | True or False                    | uses torch's all-reduce only  |
+| compilation_config          | dict or JSON: ``cudagraph_mode``, | ``enforce_eager``,            |
+|                             | ``cudagraph_capture_sizes``      | ``cuda_graph_batch_sizes``    |
+
+Any other value raises ``UnsupportedOptionError`` naming the option, the value and what is
+supported.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dormant.core.errors import UnsupportedOptionError
+
+_ONLY_VALUE: dict[str, tuple[object, str]] = {
+    "quantization": (None, "dormant runs the checkpoint's own dtype; no quantization methods"),
+    "pipeline_parallel_size": (1, "dormant splits models by tensor parallelism only"),
+    "enable_expert_parallel": (False, "dormant has no mixture-of-experts models"),
+    "model_impl": ("auto", "dormant always runs its own model implementations"),
+    "scheduling_policy": ("fcfs", "dormant schedules first come, first served"),
+}
+# vLLM's cudagraph modes. dormant captures full graphs of decode steps and runs prefills
+# eagerly, whatever the mode asks of prefills; "NONE" runs everything eagerly.
+_CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+_COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
+
+
+def resolve_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without the vLLM-only names, mapped to dormant's (a new dict). Raises
+    ``UnsupportedOptionError`` for a value dormant cannot honour; changes nothing else."""
+    resolved = dict(options)
+    for name, (value, reason) in _ONLY_VALUE.items():
+        if name in resolved and resolved.pop(name) != value:
+            raise UnsupportedOptionError(
+                f"{name}={options[name]!r} is not supported: {reason}. Supported: {value!r}"
+            )
+    if "swap_space" in resolved:
+        swap = resolved.pop("swap_space")
+        if isinstance(swap, bool) or not isinstance(swap, int | float) or swap < 0:
+            raise UnsupportedOptionError(
+                f"swap_space={swap!r}: expected GiB >= 0 (dormant never swaps: a preempted "
+                "request recomputes its KV)"
+            )
+    if "disable_custom_all_reduce" in resolved:
+        value = resolved.pop("disable_custom_all_reduce")
+        if not isinstance(value, bool):
+            raise UnsupportedOptionError(f"disable_custom_all_reduce must be a bool, got {value!r}")
+    if "compilation_config" in resolved:
+        _apply_compilation_config(resolved, resolved.pop("compilation_config"))
+    return resolved
+
+
+def _apply_compilation_config(options: dict[str, Any], config: Any) -> None:
+    if config is None:
+        return
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as error:
+            raise UnsupportedOptionError(
+                f"compilation_config={config!r} is not JSON: {error}"
+            ) from error
+    if not isinstance(config, dict):
+        raise UnsupportedOptionError(
+            f"compilation_config={config!r} is not supported: pass a dict (or its JSON) with "
+            f"the keys {_COMPILATION_KEYS}"
+        )
+    unknown = sorted(set(config) - set(_COMPILATION_KEYS))
+    if unknown:
+        raise UnsupportedOptionError(
+            f"compilation_config keys {unknown} are not supported; dormant supports "
+            f"{_COMPILATION_KEYS} (it compiles nothing; it captures decode CUDA graphs)"
+        )
+    mode = config.get("cudagraph_mode")
+    if mode is not None:
+        name = str(getattr(mode, "name", mode)).upper()
+        if name not in _CUDAGRAPH_MODES:
+            raise UnsupportedOptionError(
+                f"compilation_config cudagraph_mode={mode!r} is not one of {_CUDAGRAPH_MODES}"
+            )
+        if name == "NONE":
+            options["enforce_eager"] = True
+    sizes = config.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        graph_sizes = tuple(sorted({int(size) for size in sizes}))
+        given = options.get("cuda_graph_batch_sizes")
+        if given is not None and tuple(given) != graph_sizes:
+            raise UnsupportedOptionError(
+                f"compilation_config cudagraph_capture_sizes={list(sizes)} conflicts with "
+                f"cuda_graph_batch_sizes={given}; give one of them"
+            )
+        options["cuda_graph_batch_sizes"] = graph_sizes
