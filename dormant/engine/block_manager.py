@@ -1,10 +1,16 @@
-"""Hands out KV-cache blocks to sequences (no prefix caching).
+"""Hands out KV-cache blocks to sequences, reference-counted so that the ``n`` samples of a
+request share their prompt's full blocks (no prefix caching across requests).
 
 A sequence's KV for token position ``p`` lives in block ``block_table[p // block_size]`` at
 offset ``p % block_size``; its flat slot in the cache is ``block_id * block_size + offset``.
 
+Sharing is read-only: a sequence may share only blocks that are full of prompt positions
+before its last prompt token, which nobody writes again. The block holding the last prompt
+token is never shared: each sample computes (recomputes, for all but the first) that partial
+block into its own block, so no copy-on-write, and no worker command, is needed.
+
 Invariant (checked by ``check_invariant``): every block id in ``0 .. num_blocks-1`` is
-either in the free list or in exactly one sequence's ``block_table``, exactly once.
+either in the free list or held, listed once in the ``block_table`` of each of its holders.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free_block_ids: deque[int] = deque(range(num_blocks))
-        self._owner_by_block_id: dict[int, int] = {}
+        self._holders_by_block_id: dict[int, set[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,22 +62,51 @@ class BlockManager:
         """How many blocks hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether ``allocate(seq)`` would succeed on block count."""
-        return self.num_blocks_for(seq.num_tokens) <= len(self._free_block_ids)
+    def num_shareable_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks ``seq`` may share with another sample of its prompt: the
+        full ones before the block of its last prompt token."""
+        return (seq.num_prompt_tokens - 1) // self.block_size
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all of its ``num_tokens`` tokens.
+    def can_allocate(self, seq: Sequence, num_shared_blocks: int = 0) -> bool:
+        """Whether ``allocate(seq, ..., num_shared_blocks)`` would succeed on block count."""
+        needed = self.num_blocks_for(seq.num_tokens) - num_shared_blocks
+        return needed <= len(self._free_block_ids)
 
-        Preconditions: ``seq.block_table`` is empty (else ``AlreadyAllocatedError``) and
-        ``can_allocate(seq)`` (else ``OutOfBlocksError``; nothing changes).
-        Postcondition: ``len(seq.block_table) == num_blocks_for(seq.num_tokens)``.
+    def allocate(
+        self, seq: Sequence, share_from: Sequence | None = None, num_shared_blocks: int = 0
+    ) -> None:
+        """Give ``seq`` blocks for all of its ``num_tokens`` tokens: the first
+        ``num_shared_blocks`` of ``share_from``'s table (one more holder each), then new ones.
+
+        Preconditions: ``seq.block_table`` is empty (else ``AlreadyAllocatedError``),
+        ``share_from`` holds that many blocks and ``num_shared_blocks`` is at most
+        ``num_shareable_blocks(seq)`` (else ``BlockOwnershipError``), and
+        ``can_allocate(seq, num_shared_blocks)`` (else ``OutOfBlocksError``). A failed call
+        changes nothing. Postcondition: ``len(seq.block_table) == num_blocks_for(seq.num_tokens)``.
         """
         if seq.block_table:
             raise AlreadyAllocatedError(
                 f"{seq!r} already holds blocks {seq.block_table}; free it before allocating"
             )
-        self._take_blocks(seq, self.num_blocks_for(seq.num_tokens))
+        shared: list[int] = []
+        if num_shared_blocks:
+            if share_from is None or len(share_from.block_table) < num_shared_blocks:
+                raise BlockOwnershipError(f"{share_from!r} has no {num_shared_blocks} blocks")
+            if num_shared_blocks > self.num_shareable_blocks(seq):
+                raise BlockOwnershipError(
+                    f"{seq!r} may share at most {self.num_shareable_blocks(seq)} blocks"
+                )
+            shared = share_from.block_table[:num_shared_blocks]
+        needed = self.num_blocks_for(seq.num_tokens) - len(shared)
+        if needed > len(self._free_block_ids):
+            raise OutOfBlocksError(
+                f"{seq!r} needs {needed} more blocks but only "
+                f"{len(self._free_block_ids)} of {self.num_blocks} are free"
+            )
+        for block_id in shared:
+            self._holders_by_block_id[block_id].add(seq.seq_id)
+        seq.block_table.extend(shared)
+        self._take_blocks(seq, needed)
 
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
         """Whether the table of ``seq`` can grow to cover ``num_tokens + num_lookahead``
@@ -102,19 +137,23 @@ class BlockManager:
         return max(0, needed - len(seq.block_table))
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of ``seq`` to the free list and clear its table.
+        """Release every block of ``seq`` and clear its table; a block returns to the free
+        list when its last holder released it.
 
         A sequence without blocks is left as is. Raises ``BlockOwnershipError`` (changing
         nothing) if the table names a block that is not held by ``seq``.
         """
-        foreign = [b for b in seq.block_table if self._owner_by_block_id.get(b) != seq.seq_id]
+        holders = self._holders_by_block_id
+        foreign = [b for b in seq.block_table if seq.seq_id not in holders.get(b, ())]
         if foreign:
             raise BlockOwnershipError(
                 f"{seq!r} lists blocks {foreign} that this manager did not give it"
             )
         for block_id in seq.block_table:
-            del self._owner_by_block_id[block_id]
-        self._free_block_ids.extend(seq.block_table)
+            holders[block_id].discard(seq.seq_id)
+            if not holders[block_id]:
+                del holders[block_id]
+                self._free_block_ids.append(block_id)
         seq.block_table.clear()
 
     def slot(self, seq: Sequence, position: int) -> int:
@@ -143,26 +182,39 @@ class BlockManager:
             position += num_in_block
         return result
 
+    def num_holders(self, block_id: int) -> int:
+        """How many sequences hold ``block_id`` (0 when it is free)."""
+        return len(self._holders_by_block_id.get(block_id, ()))
+
     def check_invariant(self, seqs: Iterable[Sequence]) -> None:
-        """Raise ``BlockManagerError`` unless every block is free or in exactly one table.
+        """Raise ``BlockManagerError`` unless every block is free or held, and each held block
+        is listed once in the table of each of its holders and of no other sequence.
 
         ``seqs`` must be every sequence that may hold blocks (for tests and debugging).
         """
-        seen: dict[int, str] = {b: "the free list" for b in self._free_block_ids}
-        if len(seen) != len(self._free_block_ids):
+        free = set(self._free_block_ids)
+        if len(free) != len(self._free_block_ids):
             raise BlockManagerError("the free list holds a block twice")
+        listed: dict[int, set[int]] = {}
+        holders = self._holders_by_block_id
         for seq in seqs:
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise BlockManagerError(f"{seq!r} lists a block twice: {seq.block_table}")
             for block_id in seq.block_table:
-                if block_id in seen:
+                if block_id in free:
+                    raise BlockManagerError(f"block {block_id} is free and in {seq!r}")
+                if seq.seq_id not in holders.get(block_id, ()):
                     raise BlockManagerError(
-                        f"block {block_id} is in {seen[block_id]} and in {seq!r}"
+                        f"block {block_id} is in {seq!r} but not recorded as held by it"
                     )
-                if self._owner_by_block_id.get(block_id) != seq.seq_id:
-                    raise BlockManagerError(f"block {block_id} is not recorded as held by {seq!r}")
-                seen[block_id] = repr(seq)
-        missing = sorted(set(range(self.num_blocks)) - seen.keys())
+                listed.setdefault(block_id, set()).add(seq.seq_id)
+        missing = sorted(set(range(self.num_blocks)) - free - listed.keys())
         if missing:
             raise BlockManagerError(f"blocks {missing} are neither free nor in any given table")
+        if listed != holders:
+            raise BlockManagerError(
+                f"the tables list holders {listed} but the recorded ones are {holders}"
+            )
 
     def _take_blocks(self, seq: Sequence, num_blocks: int) -> None:
         if num_blocks > len(self._free_block_ids):
@@ -172,5 +224,5 @@ class BlockManager:
             )
         for _ in range(num_blocks):
             block_id = self._free_block_ids.popleft()
-            self._owner_by_block_id[block_id] = seq.seq_id
+            self._holders_by_block_id[block_id] = {seq.seq_id}
             seq.block_table.append(block_id)

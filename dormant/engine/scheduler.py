@@ -1,14 +1,21 @@
 """Continuous batching: each step is either a prefill of waiting sequences or a decode.
 
-Sequences move between two queues:
+Sequences move between three queues:
 
 | queue     | status  | holds blocks | KV computed               |
 |-----------|---------|--------------|---------------------------|
+| `pending` | WAITING | no           | none: a fork waiting for its source's first prefill |
 | `waiting` | WAITING | no           | none (num_computed = 0)   |
 | `running` | RUNNING | yes          | all but the newest token  |
 
+The ``n`` samples of a request are one source sequence and ``n - 1`` forks of it. A fork stays
+`pending` until its source's prefill step was postprocessed, then goes to the front of
+`waiting`; when it is prefilled it shares its source's full prompt blocks (see
+``BlockManager``) and computes only the rest of its prompt. Were the source no longer running
+by then, the fork computes its whole prompt itself.
+
 Invariants between calls:
-    - every unfinished sequence added is in exactly one queue; finished ones in neither;
+    - every unfinished sequence added is in exactly one queue; finished ones in none;
     - ``len(running) <= config.max_num_seqs``;
     - only running sequences hold blocks (see ``BlockManager``);
     - at most one batch is in flight: ``schedule`` hands it out, ``postprocess`` takes it
@@ -21,7 +28,7 @@ Preemption is by recompute: the sequence's blocks are freed, it goes back to the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
@@ -40,6 +47,12 @@ class DuplicateSequenceError(SchedulerError, ValueError):
     """A sequence id was added while a sequence with that id is still unfinished."""
 
 
+# Called for each token appended, after the token-level stop checks: (sequence, token id,
+# whether the token itself stops the sequence) -> the stop string the text now ends with, or
+# None. The engine's output processor detokenizes there.
+TokenHook = Callable[[Sequence, int, bool], str | None]
+
+
 class Scheduler:
     """Decides which sequences run each step, and applies the sampled tokens."""
 
@@ -54,6 +67,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._waiting: deque[Sequence] = deque()
         self._running: deque[Sequence] = deque()
+        self._pending_forks: dict[int, list[Sequence]] = {}  # by source seq_id, in order
         self._unfinished_by_id: dict[int, Sequence] = {}
         self._batch_in_flight: ScheduledBatch | None = None
 
@@ -74,7 +88,8 @@ class Scheduler:
         return self._unfinished_by_id.get(seq_id)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new WAITING sequence at the back of `waiting`.
+        """Queue a new WAITING sequence at the back of `waiting`, or, for a fork whose source
+        has not been prefilled yet, in `pending`.
 
         Raises ``RequestTooLongError`` if its prompt exceeds ``max_model_len`` or it could not
         run to completion even with the whole cache, and ``DuplicateSequenceError`` if its id
@@ -98,7 +113,13 @@ class Scheduler:
                 f"max_model_len={max_model_len}) but the cache has only "
                 f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache"
             )
-        self._waiting.append(seq)
+        source = seq.fork_source
+        if source is not None and source.seq_id not in self._unfinished_by_id:
+            raise SchedulerError(f"the fork source of {seq!r} is not scheduled: add it first")
+        if source is not None and source.num_output_tokens == 0:
+            self._pending_forks.setdefault(source.seq_id, []).append(seq)
+        else:
+            self._waiting.append(seq)
         self._unfinished_by_id[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch | None:
@@ -124,15 +145,21 @@ class Scheduler:
         return self.postprocess_steps(batch, [[token_id] for token_id in token_ids])
 
     def postprocess_steps(
-        self, batch: ScheduledBatch, token_ids: list[list[int]]
+        self,
+        batch: ScheduledBatch,
+        token_ids: list[list[int]],
+        on_token: TokenHook | None = None,
     ) -> list[Sequence]:
         """Record the batch's KV and append ``token_ids[i]`` (``num_steps`` tokens, in order)
         to ``batch.seqs[i]``, up to the token that finishes it; the rest are dropped.
 
-        Sequences finished since ``schedule`` (aborted) are skipped. A sequence finishes on an
-        EOS token (unless ``ignore_eos``), on one of its ``stop_token_ids``, at ``max_tokens``
-        outputs or at ``max_model_len`` tokens; its blocks are freed. Returns the newly
-        finished sequences, in batch order.
+        Sequences finished since ``schedule`` (aborted) are skipped. As in vLLM, a sequence
+        finishes at ``max_tokens`` outputs or ``max_model_len`` tokens ("length"), else, once
+        it has ``min_tokens`` outputs, on an EOS token (unless ``ignore_eos``) or one of its
+        ``stop_token_ids`` ("stop", with the id as ``stop_reason``), or when ``on_token``
+        reports a stop string ("stop", with the string). Its blocks are freed. Returns the
+        newly finished sequences, in batch order; the forks of the batch's prefilled sources
+        become schedulable.
         Precondition: ``batch`` is the batch in flight (else ``SchedulerError``).
         """
         if batch is not self._batch_in_flight:
@@ -154,12 +181,19 @@ class Scheduler:
                     break
                 seq.num_computed_tokens = seq.num_tokens
                 seq.append_token(token_id)
-                reason = self._finish_reason(seq, token_id)
+                reason, stop_token_id = self._finish_reason(seq, token_id)
+                stop_reason: int | str | None = stop_token_id
+                if on_token is not None:
+                    stop_string = on_token(seq, token_id, reason is FinishReason.STOP)
+                    if stop_string is not None:
+                        reason, stop_reason = FinishReason.STOP, stop_string
                 if reason is not None:
-                    self._finish(seq, reason)
+                    self._finish(seq, reason, stop_reason)
                     finished.append(seq)
         if finished:
             self._running = deque(seq for seq in self._running if not seq.is_finished)
+        if batch.is_prefill:
+            self._release_forks(batch.seqs)
         return finished
 
     def abort(self, seq_ids: Iterable[int] | None = None) -> list[Sequence]:
@@ -177,6 +211,11 @@ class Scheduler:
         if targets:
             self._waiting = deque(seq for seq in self._waiting if not seq.is_finished)
             self._running = deque(seq for seq in self._running if not seq.is_finished)
+            for source_id, forks in list(self._pending_forks.items()):
+                forks[:] = [seq for seq in forks if not seq.is_finished]
+                if not forks:
+                    del self._pending_forks[source_id]
+            self._release_forks(targets)  # forks of an aborted source compute their own KV
         return targets
 
     def preempt_all(self) -> None:
@@ -190,17 +229,37 @@ class Scheduler:
         while self._running:
             self._preempt(self._running.pop())
 
+    def _release_forks(self, sources: Iterable[Sequence]) -> None:
+        """Moves the pending forks of ``sources`` to the front of `waiting`, in order."""
+        released = [f for s in sources for f in self._pending_forks.pop(s.seq_id, ())]
+        self._waiting.extendleft(reversed(released))
+
+    def _shared_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """The source and number of blocks ``seq`` shares when prefilled now: its fork
+        source's full prompt blocks, if the source is running with its prompt computed (so not
+        in the batch being built), and this is ``seq``'s first prefill."""
+        source = seq.fork_source
+        if source is None or source.status is not SequenceStatus.RUNNING or seq.num_output_tokens:
+            return None, 0
+        if source.num_computed_tokens < source.num_prompt_tokens:
+            return None, 0
+        num_blocks = min(self.block_manager.num_shareable_blocks(seq), len(source.block_table))
+        return (source, num_blocks) if num_blocks else (None, 0)
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
-        config = self.config
+        config, block_size = self.config, self.block_manager.block_size
         while self._waiting and len(self._running) < config.max_num_seqs:
             seq = self._waiting[0]
-            num_new_tokens = seq.num_tokens - seq.num_computed_tokens
+            source, num_shared = self._shared_prefix(seq)
+            num_new_tokens = seq.num_tokens - num_shared * block_size
             is_over_budget = num_batched_tokens + num_new_tokens > config.max_num_batched_tokens
-            if is_over_budget or not self.block_manager.can_allocate(seq):
+            if is_over_budget or not self.block_manager.can_allocate(seq, num_shared):
                 break
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, source, num_shared)
+            seq.num_computed_tokens = num_shared * block_size
+            seq.fork_source = None  # used: a later recompute (preemption) computes everything
             num_batched_tokens += num_new_tokens
             seq.status = SequenceStatus.RUNNING
             self._waiting.popleft()
@@ -238,7 +297,7 @@ class Scheduler:
         for seq in seqs:
             if not seq.params.is_greedy or seq.num_tokens + num_steps - 1 > config.max_model_len:
                 return 1
-            if seq.params.max_tokens - seq.num_output_tokens < num_steps:
+            if self._max_tokens(seq) - seq.num_output_tokens < num_steps:
                 return 1
         lookahead = num_steps - 1
         missing = sum(self.block_manager.num_missing_blocks(seq, lookahead) for seq in seqs)
@@ -254,21 +313,35 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self._waiting.appendleft(seq)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.finish(reason)
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        seq.finish(reason, stop_reason)
         self.block_manager.free(seq)
         del self._unfinished_by_id[seq.seq_id]
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+    def _max_tokens(self, seq: Sequence) -> int:
+        """``max_tokens``, where None (vLLM's "up to max_model_len") is what fits."""
+        max_tokens = seq.params.max_tokens
+        return self.config.max_model_len if max_tokens is None else max_tokens
+
+    def _finish_reason(
+        self, seq: Sequence, token_id: int
+    ) -> tuple[FinishReason | None, int | None]:
+        """Why ``seq`` finishes on its newest token ``token_id``, with vLLM's precedence:
+        length first, then (past ``min_tokens``) EOS, then a stop token (its ``stop_reason``)."""
         params = seq.params
-        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-        if is_eos or token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
+        if seq.num_output_tokens >= self._max_tokens(seq):
+            return FinishReason.LENGTH, None
         if seq.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
+            return FinishReason.LENGTH, None
+        if seq.num_output_tokens < params.min_tokens:
+            return None, None
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        return None, None
 
     def _max_num_kv_tokens(self, seq: Sequence) -> int:
         """The most tokens whose KV ``seq`` may ever need at once.
@@ -277,5 +350,5 @@ class Scheduler:
         at most ``max_total - 1`` tokens, and at least its prompt.
         """
         max_model_len = self.config.max_model_len
-        max_total = min(seq.num_prompt_tokens + seq.params.max_tokens, max_model_len)
+        max_total = min(seq.num_prompt_tokens + self._max_tokens(seq), max_model_len)
         return max(seq.num_prompt_tokens, max_total - 1)

@@ -1,4 +1,5 @@
-"""One request's tokens, lifecycle state and KV block table."""
+"""One completion's tokens, lifecycle state and KV block table (a request with ``n`` samples has
+``n`` sequences)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,13 @@ class FinishReason(enum.StrEnum):
 
 
 class Sequence:
-    """A request: its prompt, the tokens generated so far, and where its KV lives.
+    """One completion of a request: its prompt, the tokens generated so far, and where its KV
+    lives.
+
+    ``fork_source``, when set, is the sequence whose prompt KV this one may share instead of
+    computing it (the first sample of the same request); the scheduler decides whether it still
+    can when it prefills this one. ``stop_reason`` is the stop token id or stop string that
+    finished it (vLLM's), else None.
 
     Invariants:
         - ``prompt_token_ids`` is non-empty and never changes.
@@ -71,6 +78,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.stop_reason: int | str | None = None
+        self.fork_source: Sequence | None = None
 
     def __repr__(self) -> str:
         return (
@@ -119,10 +128,12 @@ class Sequence:
             )
         self.output_token_ids.append(token_id)
 
-    def finish(self, reason: FinishReason) -> None:
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         """Mark the sequence FINISHED. The caller frees its blocks."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.fork_source = None  # never keep a finished source alive through its forks
 
 
 class SequenceFinishedError(RuntimeError):
@@ -141,7 +152,13 @@ class SequenceFactory:
         self._seq_ids = itertools.count(first_seq_id)
         self._rng = rng if rng is not None else random.Random()
 
-    def create(self, prompt_token_ids: Iterable[int], params: SamplingParams) -> Sequence:
-        """A new WAITING sequence; its seed is ``params.seed`` or a freshly drawn one."""
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(_NUM_SEED_BITS)
+    def create(
+        self, prompt_token_ids: Iterable[int], params: SamplingParams, index: int = 0
+    ) -> Sequence:
+        """A new WAITING sequence for sample ``index`` of a request; its seed is
+        ``params.seed + index`` (vLLM's child seeds) or a freshly drawn one."""
+        if params.seed is not None:
+            seed = params.seed + index
+        else:
+            seed = self._rng.getrandbits(_NUM_SEED_BITS)
         return Sequence(next(self._seq_ids), prompt_token_ids, params, seed)

@@ -1,10 +1,22 @@
-"""Text <-> token ids: a Hugging Face tokenizer from a model directory, or a byte fallback."""
+"""Text <-> token ids: a Hugging Face tokenizer, a byte stand-in for random models, or none.
+
+Which one an engine gets (``load_tokenizer``), never guessed for a real checkpoint:
+
+| model                                        | tokenizer                                   |
+|----------------------------------------------|---------------------------------------------|
+| ``skip_tokenizer_init=True``                 | none: prompts are token ids, outputs no text |
+| ``tokenizer=`` given                         | the HF tokenizer of that directory          |
+| a checkpoint directory (``load_format`` auto) | its HF tokenizer; missing files raise        |
+| a random model (``ModelConfig``, or "dummy") | the directory's HF tokenizer if it has one, |
+|                                              | else ``ByteTokenizer``                      |
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 _NUM_BYTE_IDS = 256
@@ -16,10 +28,20 @@ _TOKENIZER_FILES = (
     "vocab.json",
 )
 _GENERATION_CONFIG_FILE = "generation_config.json"
+# vLLM primes a stream with up to this many prompt tokens, the fewest (at least 4) that
+# decode without a replacement character, so the first output token gets its leading space.
+_MIN_PRIMING_TOKENS, _MAX_PRIMING_TOKENS = 4, 24
+_REPLACEMENT_CHARACTER = "\ufffd"
 
 
 class TokenizerError(ValueError):
     """A tokenizer cannot be loaded, or does not fit the model's vocabulary."""
+
+
+class IncrementalDecoder(Protocol):
+    """Text of one output, token by token: ``step`` returns the new text (maybe "")."""
+
+    def step(self, token_id: int) -> str: ...
 
 
 @runtime_checkable
@@ -35,9 +57,19 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: Iterable[int]) -> str: ...
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_each(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's own text, special tokens included (vLLM's ``decoded_token``)."""
+        ...
+
+    def incremental_decoder(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+    ) -> IncrementalDecoder:
+        """A decoder for the output that follows ``prompt_token_ids``."""
+        ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt ids of a chat, ending with the assistant's turn; ``TokenizerError`` if
@@ -60,12 +92,20 @@ class ByteTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({self.eos_token_id})
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: Iterable[int]) -> str:
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         data = bytes(t for t in token_ids if 0 <= t < _NUM_BYTE_IDS)
         return data.decode("utf-8", errors="replace")
+
+    def decode_each(self, token_ids: Sequence[int]) -> list[str]:
+        return [self.decode([t]) for t in token_ids]
+
+    def incremental_decoder(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+    ) -> IncrementalDecoder:
+        return _ByteDecoder()
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         raise TokenizerError(
@@ -82,17 +122,20 @@ class HFTokenizer:
     tokenizer's usual special tokens (e.g. BOS); ``decode`` skips special tokens.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=trust_remote_code
+            )
         except (OSError, ValueError) as error:
             raise TokenizerError(f"cannot load a tokenizer from {path!r}: {error}") from error
         eos_ids = set(_generation_config_eos_ids(path))
         if self._tokenizer.eos_token_id is not None:
             eos_ids.add(self._tokenizer.eos_token_id)
         self._eos_token_ids = frozenset(eos_ids)
+        self._texts: dict[int, str] = {}  # decode_each's cache: one entry per id ever decoded
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -107,11 +150,41 @@ class HFTokenizer:
         """All ids the tokenizer knows, added tokens included."""
         return len(self._tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The ``transformers`` tokenizer itself (what ``LLM.get_tokenizer`` returns)."""
+        return self._tokenizer
 
-    def decode(self, token_ids: Iterable[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def decode_each(self, token_ids: Sequence[int]) -> list[str]:
+        texts = self._texts
+        missing = list(dict.fromkeys(t for t in token_ids if t not in texts))
+        if missing:  # one batched call for the ids never seen before
+            decoded = self._tokenizer.batch_decode([[t] for t in missing])
+            texts.update(zip(missing, decoded, strict=True))
+        return [texts[t] for t in token_ids]
+
+    def incremental_decoder(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool
+    ) -> IncrementalDecoder:
+        backend = getattr(self._tokenizer, "_tokenizer", None)  # a fast tokenizer's own
+        if backend is None:
+            return _FullDecodeDiff(self, skip_special_tokens)
+        from tokenizers.decoders import DecodeStream
+
+        prefix = list(prompt_token_ids[-_MIN_PRIMING_TOKENS:])
+        for length in range(_MIN_PRIMING_TOKENS, min(len(prompt_token_ids), _MAX_PRIMING_TOKENS)):
+            suffix = list(prompt_token_ids[-length:])
+            if _REPLACEMENT_CHARACTER not in backend.decode(suffix):
+                prefix = suffix
+                break
+        stream = DecodeStream(ids=prefix, skip_special_tokens=skip_special_tokens)
+        return _StreamDecoder(stream, backend)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
@@ -124,22 +197,83 @@ class HFTokenizer:
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
+class _ByteDecoder:
+    """UTF-8 bytes as they arrive; a character split over tokens appears with its last byte."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        if not 0 <= token_id < _NUM_BYTE_IDS:
+            return ""
+        return self._decoder.decode(bytes([token_id]))
+
+
+class _StreamDecoder:
+    """``tokenizers``' ``DecodeStream``: None (an unfinished character) becomes ""."""
+
+    def __init__(self, stream: Any, backend: Any) -> None:
+        self._stream, self._backend = stream, backend
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+class _FullDecodeDiff:
+    """For slow tokenizers (no ``DecodeStream``): decodes the whole output each step and
+    returns what grew, holding back a trailing replacement character."""
+
+    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        self._token_ids: list[int] = []
+        self._num_chars = 0
+
+    def step(self, token_id: int) -> str:
+        self._token_ids.append(token_id)
+        text = self._tokenizer.decode(self._token_ids, skip_special_tokens=self._skip)
+        if text.endswith(_REPLACEMENT_CHARACTER):
+            return ""
+        new, self._num_chars = text[self._num_chars :], len(text)
+        return new
+
+
 def has_tokenizer_files(model_dir: str) -> bool:
     """Whether ``model_dir`` contains any of the files a HF tokenizer is loaded from."""
     return any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES)
 
 
-def load_tokenizer(model_dir: str | None, vocab_size: int) -> Tokenizer:
-    """The HF tokenizer of ``model_dir`` if it has one, else a ``ByteTokenizer``.
+def load_tokenizer(
+    model_dir: str | None,
+    vocab_size: int,
+    *,
+    tokenizer_dir: str | None = None,
+    is_random_model: bool = False,
+    skip_tokenizer_init: bool = False,
+    trust_remote_code: bool = False,
+) -> Tokenizer | None:
+    """The engine's tokenizer, chosen as the module's table says (None when skipped).
 
     ``vocab_size`` is the model's; raises ``TokenizerError`` if the tokenizer could emit an
-    id the model does not have, and ``FileNotFoundError`` if ``model_dir`` is not a directory.
+    id the model does not have, or if a checkpoint ships no tokenizer, and
+    ``FileNotFoundError`` if a directory named does not exist.
     """
-    if model_dir is not None and not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+    if skip_tokenizer_init:
+        return None
+    for path in (model_dir, tokenizer_dir):
+        if path is not None and not os.path.isdir(path):
+            raise FileNotFoundError(f"directory {path!r} does not exist")
     tokenizer: Tokenizer
-    if model_dir is not None and has_tokenizer_files(model_dir):
-        tokenizer = HFTokenizer(model_dir)
+    if tokenizer_dir is not None:
+        tokenizer = HFTokenizer(tokenizer_dir, trust_remote_code)
+    elif model_dir is not None and (not is_random_model or has_tokenizer_files(model_dir)):
+        if not has_tokenizer_files(model_dir):
+            raise TokenizerError(
+                f"the checkpoint {model_dir!r} has no tokenizer files "
+                f"({', '.join(_TOKENIZER_FILES)}). Pass tokenizer='<dir>', or "
+                "skip_tokenizer_init=True to give prompts as "
+                "token ids and get outputs without text"
+            )
+        tokenizer = HFTokenizer(model_dir, trust_remote_code)
     else:
         tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > vocab_size:

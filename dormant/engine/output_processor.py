@@ -1,0 +1,262 @@
+"""From the tokens and logprobs the workers return to vLLM's ``RequestOutput``: incremental
+detokenization, stop strings, and logprobs in vLLM's shape, for every sample of a request.
+
+Per appended token, in vLLM's order (``vllm/v1/engine/detokenizer.py``):
+
+1. the scheduler decides the token-level stop (length, EOS, a stop token id);
+2. the token's text is appended, except a stop token's when ``include_stop_str_in_output`` is
+   False (as vLLM, which does not detokenize it);
+3. past ``min_tokens`` outputs, a stop string ending in the new text stops the sample, and the
+   text is cut before it (or after it, with ``include_stop_str_in_output``);
+4. after the step, the logprobs of the tokens actually appended are recorded (a multi-step
+   output is cut at the sample's stop), trimmed to the request's ``logprobs``.
+
+While a sample runs, its visible text holds back ``max(len(stop)) - 1`` characters (a stop
+string may still be completing), as vLLM's streamed outputs do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+from dormant.core.sampling_params import SamplingParams
+from dormant.core.step_output import SeqOutput, TokenLogprobs
+from dormant.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    LogprobsOnePosition,
+    PromptLogprobs,
+    RequestOutput,
+)
+from dormant.engine.sequence import Sequence
+from dormant.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class SampleState:
+    """What one sample (sequence) produced beyond its token ids."""
+
+    decoder: IncrementalDecoder | None
+    text: str = ""
+    logprobs: list[LogprobsOnePosition] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestState:
+    """A request in flight: its prompt, its samples (in index order) and prompt logprobs."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    samples: list[SampleState]
+    prompt_logprobs: PromptLogprobs | None = None
+    stop_strings: list[str] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class OutputProcessor:
+    """Keeps every unfinished request's output state; builds ``RequestOutput``s.
+
+    ``tokenizer`` is None under ``skip_tokenizer_init``: outputs carry no text and logprobs no
+    ``decoded_token``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[int, RequestState] = {}
+        self._request_of_seq: dict[int, RequestState] = {}
+
+    def add(
+        self,
+        request_id: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seqs: list[Sequence],
+    ) -> None:
+        """Starts tracking a request whose samples are ``seqs`` (sample ``i`` is ``seqs[i]``)."""
+        samples = [self._new_sample(params, prompt_token_ids) for _ in seqs]
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, seqs, samples,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            stop_strings=params.stop_strings,
+        )  # fmt: skip
+        self._requests[request_id] = state
+        for seq in seqs:
+            self._request_of_seq[seq.seq_id] = state
+
+    def seq_ids(self, request_ids: SequenceOf[int] | None) -> list[int] | None:
+        """The sequence ids of these requests (all when None); unknown ids are skipped."""
+        if request_ids is None:
+            return None
+        states = [self._requests[r] for r in request_ids if r in self._requests]
+        return [seq.seq_id for state in states for seq in state.seqs]
+
+    def on_token(self, seq: Sequence, token_id: int, is_stop_token: bool) -> str | None:
+        """The scheduler's ``TokenHook``: appends the token's text; returns the stop string
+        the text now ends with (and cuts the text there), else None."""
+        state = self._request_of_seq[seq.seq_id]
+        sample = state.samples[state.seqs.index(seq)]
+        params = state.params
+        if sample.decoder is None:
+            return None
+        num_chars_before = len(sample.text)
+        if not is_stop_token or params.include_stop_str_in_output:
+            sample.text += sample.decoder.step(token_id)
+        if not state.stop_strings or seq.num_output_tokens <= params.min_tokens:
+            return None
+        return _cut_at_stop_string(sample, num_chars_before, state.stop_strings, params)
+
+    def record_step(
+        self, seqs: SequenceOf[Sequence], outputs: SequenceOf[SeqOutput], num_before: list[int]
+    ) -> None:
+        """Records the logprobs of the tokens each of ``seqs`` appended in this step
+        (``num_before[i]`` is how many outputs ``seqs[i]`` had before) and prompt logprobs."""
+        for seq, output, before in zip(seqs, outputs, num_before, strict=True):
+            state = self._request_of_seq.get(seq.seq_id)
+            if state is None:
+                continue
+            num_appended = seq.num_output_tokens - before
+            if output.logprobs is not None and num_appended:
+                sample = state.samples[state.seqs.index(seq)]
+                appended = seq.output_token_ids[before:]
+                self._record_logprobs(state, sample, appended, output.logprobs[:num_appended])
+            if output.prompt_logprobs is not None and seq is state.seqs[0]:
+                self._record_prompt_logprobs(state, output.prompt_logprobs)
+
+    def output(self, request_id: int) -> RequestOutput | None:
+        """The request's output so far (None if it is not tracked)."""
+        state = self._requests.get(request_id)
+        return None if state is None else self._build(state)
+
+    def pop_finished(self, finished: SequenceOf[Sequence]) -> list[RequestOutput]:
+        """The outputs of the requests that ``finished`` completed, which are then forgotten."""
+        outputs: list[RequestOutput] = []
+        for seq in finished:
+            state = self._request_of_seq.get(seq.seq_id)
+            if state is None or not state.is_finished:
+                continue
+            outputs.append(self._build(state))
+            del self._requests[state.request_id]
+            for done in state.seqs:
+                del self._request_of_seq[done.seq_id]
+        return outputs
+
+    def _new_sample(self, params: SamplingParams, prompt_token_ids: list[int]) -> SampleState:
+        decoder = None
+        if self.tokenizer is not None and params.detokenize:
+            decoder = self.tokenizer.incremental_decoder(
+                prompt_token_ids, params.skip_special_tokens
+            )
+        wants_logprobs = params.logprobs is not None
+        return SampleState(
+            decoder,
+            logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+        )
+
+    def _record_logprobs(
+        self,
+        state: RequestState,
+        sample: SampleState,
+        token_ids: list[int],
+        entries: SequenceOf[TokenLogprobs],
+    ) -> None:
+        assert sample.logprobs is not None and sample.cumulative_logprob is not None
+        k = _as_count(state.params.logprobs)
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            if entry.token_ids[0] != token_id:
+                raise RuntimeError(
+                    f"request {state.request_id}: the worker's logprobs are for token "
+                    f"{entry.token_ids[0]} but token {token_id} was sampled"
+                )
+            sample.logprobs.append(self._position(entry, k))
+            sample.cumulative_logprob += entry.logprobs[0]
+
+    def _record_prompt_logprobs(
+        self, state: RequestState, entries: SequenceOf[TokenLogprobs]
+    ) -> None:
+        logprobs = state.prompt_logprobs
+        if logprobs is None or len(logprobs) > 1:  # not asked for, or recorded already
+            return
+        k = _as_count(state.params.prompt_logprobs)
+        logprobs.extend(self._position(entry, k) for entry in entries)
+
+    def _position(self, entry: TokenLogprobs, k: int | None) -> LogprobsOnePosition:
+        """The chosen token (its own rank), then the top ``k`` (all when None), as vLLM."""
+        num = len(entry.token_ids) if k is None else min(1 + k, len(entry.token_ids))
+        token_ids = entry.token_ids[:num]
+        texts = (
+            self.tokenizer.decode_each(token_ids) if self.tokenizer is not None else [None] * num
+        )
+        # The chosen token first; re-inserting it from the top-k keeps its position.
+        return {
+            token_id: Logprob(logprob, rank, text)
+            for token_id, logprob, rank, text in zip(
+                token_ids, entry.logprobs[:num], entry.ranks[:num], texts, strict=True
+            )
+        }
+
+    def _build(self, state: RequestState) -> RequestOutput:
+        params = state.params
+        held_back = 0
+        if state.stop_strings and not params.include_stop_str_in_output:
+            held_back = max(len(s) for s in state.stop_strings) - 1
+        completions = []
+        for index, (seq, sample) in enumerate(zip(state.seqs, state.samples, strict=True)):
+            text = sample.text
+            if held_back and not seq.is_finished:
+                text = text[: max(0, len(text) - held_back)]
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=sample.cumulative_logprob,
+                    logprobs=None if sample.logprobs is None else list(sample.logprobs),
+                    finish_reason=None if seq.finish_reason is None else str(seq.finish_reason),
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        prompt_logprobs = state.prompt_logprobs
+        return RequestOutput(
+            request_id=str(state.request_id),
+            prompt=state.prompt,
+            prompt_token_ids=list(state.prompt_token_ids),
+            prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
+            outputs=completions,
+            finished=state.is_finished,
+        )
+
+
+def _as_count(num_logprobs: int | None) -> int | None:
+    """The top-k count of a ``logprobs`` value: None for -1 (every entry the worker sent)."""
+    if num_logprobs is None or num_logprobs == -1:
+        return None
+    return int(num_logprobs)  # True counts as 1, as in vLLM
+
+
+def _cut_at_stop_string(
+    sample: SampleState, num_chars_before: int, stops: list[str], params: SamplingParams
+) -> str | None:
+    """vLLM's ``check_stop_strings``: the first stop string (in ``stop`` order) that ends in
+    the text appended since ``num_chars_before``; cuts ``sample.text`` there."""
+    text = sample.text
+    num_new_chars = len(text) - num_chars_before
+    if not num_new_chars:
+        return None
+    for stop in stops:
+        index = text.find(stop, max(0, num_chars_before - len(stop) + 1))
+        if index == -1:
+            continue
+        end = index + len(stop) if params.include_stop_str_in_output else index
+        sample.text = text[:end]
+        return stop
+    return None
