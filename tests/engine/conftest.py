@@ -55,10 +55,45 @@ def hf_state_dict(seed: int) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
-def write_checkpoint(path: Path, seed: int, extra: dict[str, torch.Tensor] | None = None) -> Path:
+TOKENIZER_WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "hello", "world",
+    "stop", "here", "and", "there", "sleep", "wake",
+)  # fmt: skip
+
+
+def write_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer (320 ids, EOS ``<|endoftext|>`` = 0) trained on a fixed
+    text, saved as a HF fast tokenizer: checkpoints ship one, as real ones do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    words = TOKENIZER_WORDS
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(200)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(str(path))
+
+
+def write_checkpoint(
+    path: Path,
+    seed: int,
+    extra: dict[str, torch.Tensor] | None = None,
+    with_tokenizer: bool = True,
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     hf_config().save_pretrained(path)
     save_file({**hf_state_dict(seed), **(extra or {})}, str(path / "model.safetensors"))
+    if with_tokenizer:
+        write_tokenizer(path)
     return path
 
 

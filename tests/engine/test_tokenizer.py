@@ -62,9 +62,34 @@ def test_load_tokenizer_without_model_dir_is_bytes() -> None:
     assert isinstance(load_tokenizer(None, vocab_size=1000), ByteTokenizer)
 
 
-def test_load_tokenizer_without_tokenizer_files_is_bytes(tmp_path: Path) -> None:
+def test_random_model_without_tokenizer_files_is_bytes(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    assert isinstance(load_tokenizer(str(tmp_path), vocab_size=258), ByteTokenizer)
+    tokenizer = load_tokenizer(str(tmp_path), vocab_size=258, is_random_model=True)
+    assert isinstance(tokenizer, ByteTokenizer)
+
+
+def test_checkpoint_without_tokenizer_files_raises(tmp_path: Path) -> None:
+    """A real checkpoint never silently gets the byte stand-in (it would make garbage text)."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="skip_tokenizer_init=True"):
+        load_tokenizer(str(tmp_path), vocab_size=258)
+    assert load_tokenizer(str(tmp_path), vocab_size=258, skip_tokenizer_init=True) is None
+
+
+def test_hf_incremental_decoder_equals_full_decode(hf_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(hf_dir), vocab_size=64)
+    assert tokenizer is not None
+    prompt = tokenizer.encode("the quick")
+    output = tokenizer.encode("brown fox world", add_special_tokens=False)
+    decoder = tokenizer.incremental_decoder(prompt, skip_special_tokens=True)
+    streamed = "".join(decoder.step(t) for t in output)
+    assert streamed.strip() == tokenizer.decode(output) == "brown fox world"
+
+
+def test_byte_incremental_decoder_joins_split_characters() -> None:
+    decoder = ByteTokenizer().incremental_decoder([1], skip_special_tokens=True)
+    pieces = [decoder.step(t) for t in "né".encode()]
+    assert pieces == ["n", "", "é"]
 
 
 def test_load_tokenizer_rejects_small_vocab() -> None:
