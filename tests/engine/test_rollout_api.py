@@ -237,3 +237,16 @@ def test_skip_tokenizer_init_needs_token_ids(make_llm, checkpoint: Path) -> None
         llm.generate([PROMPTS[0]], SamplingParams(stop=["x"]), use_tqdm=False)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3), False)
     assert out[0].outputs[0].text == "" and queued(llm) == 0
+
+
+def test_bad_words_are_tokenized_and_never_generated(make_llm, checkpoint: Path) -> None:
+    llm = make_llm(str(checkpoint))
+    tokens, texts = reference(llm, PROMPTS[1])
+    word = next(w for w in ("hello", "world", "stop", "here") if w in texts[-1])
+    word_ids = llm.get_tokenizer().encode(word, add_special_tokens=False)
+    assert len(word_ids) == 1 and word_ids[0] in tokens  # the greedy run says it
+    params = SamplingParams(**GREEDY, bad_words=[word])
+    out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    assert word_ids[0] not in out.token_ids and word not in out.text
+    first = tokens.index(word_ids[0])
+    assert out.token_ids[:first] == tokens[:first]  # the same up to the banned token
