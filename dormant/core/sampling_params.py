@@ -167,6 +167,12 @@ class SamplingParams:
                 raise InvalidSamplingParamsError(
                     f"{name} must be a bool, got {getattr(self, name)!r}"
                 )
+        if not self.skip_special_tokens and not self.spaces_between_special_tokens:
+            raise UnsupportedSamplingParamsError(
+                "spaces_between_special_tokens=False with skip_special_tokens=False is not "
+                "supported: dormant's detokenizer (tokenizers' DecodeStream) keeps the "
+                "tokenizer's own spacing; leave spaces_between_special_tokens=True"
+            )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise InvalidSamplingParamsError(
                 f"extra_args must be a dict or None, got {self.extra_args!r}"

@@ -40,6 +40,11 @@ def test_unsupported_features_are_refused(name: str) -> None:
         SamplingParams(**{name: {"regex": "a+"}})
 
 
+def test_special_token_spacing_that_cannot_be_honoured_is_refused() -> None:
+    with pytest.raises(UnsupportedSamplingParamsError, match="spaces_between_special_tokens"):
+        SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+
+
 def test_stop_strings_normalise_like_vllm() -> None:
     assert SamplingParams(stop="x").stop_strings == ["x"]
     assert SamplingParams(stop=None).stop_strings == []
