@@ -97,7 +97,9 @@ def run_demo(device: str, level: int, size: str | None, png: str) -> int:
     size = size or ("small" if on_gpu else "tiny")
     raw = hf_config(size, on_gpu)
     config = ModelConfig.from_dict(raw)
-    options = dict(device="cuda" if on_gpu else "cpu", max_model_len=512, max_num_seqs=16)
+    options: dict[str, object] = dict(
+        device="cuda" if on_gpu else "cpu", max_model_len=512, max_num_seqs=16
+    )
     if not on_gpu:
         options["kv_cache_memory_bytes"] = 256 << 20
     else:

@@ -37,7 +37,7 @@ def copy_limits(device: torch.device, nbytes: int = 1 << 30) -> dict[str, float]
         start = time.perf_counter()
         b.copy_(a)
         rate = nbytes / (time.perf_counter() - start) / 1e9
-        return {"d2h": rate, "h2d": rate}
+        return {"d2h": rate, "h2d": rate, "on_host": 1.0}
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     rates = {}
@@ -59,10 +59,15 @@ def print_report(
     timeline: Timeline,
     png: str,
 ) -> None:
+    if limits.get("on_host"):
+        measured = f"host memory copy (memcpy) {limits['d2h']:.1f} GB/s"
+    else:
+        measured = f"D2H {limits['d2h']:.1f} GB/s, H2D {limits['h2d']:.1f} GB/s (pinned)"
     print(
-        f"\ncopy limit measured here: D2H {limits['d2h']:.1f} GB/s, H2D {limits['h2d']:.1f} GB/s"
-        "\n(the first sleep also sets up the pinned host arena, once; 'x limit' is shown for steps"
-        " that copy at least 16 MiB)\n"
+        f"\ncopy limit measured here: {measured}"
+        "\n'x limit' = the step's time / the time a plain copy of the same bytes takes at that"
+        " limit (1.00: as fast as a copy can be; 2.00: twice as slow). It is shown for steps"
+        " that copy at least 16 MiB; the first sleep also sets up the pinned host arena, once.\n"
     )
     header = (
         f"{'step':<24}{'time ms':>9}{'copied MiB':>12}{'GB/s':>7}{'x limit':>9}   memory by tag"

@@ -40,7 +40,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,7 @@ class AsyncLLM:
         self._drain_waiters: list[Future[None]] = []
         self._is_stopped = False
         self._stop_lock = threading.Lock()
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="dormant-tokenize")
         self._thread = threading.Thread(target=self._run, name="dormant-async-llm", daemon=True)
         self._thread.start()
 
@@ -147,12 +148,12 @@ class AsyncLLM:
         def listener(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        engine_prompt = _engine_prompt(prompt)
+        request = await self._prepare(prompt, params)
         tracked = _Tracked(user_id, listener, kind is not RequestOutputKind.FINAL_ONLY)
         finished = is_added = False
         sent: list[tuple[int, str, int]] = []  # per completion: tokens, text, logprobs sent
         try:
-            await self._call(lambda: self._add(engine_prompt, params, tracked), holdable=True)
+            await self._call(lambda: self._add(request, tracked), holdable=True)
             is_added = True
             while not finished:
                 item = await items.get()
@@ -209,7 +210,7 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """vLLM's name. dormant keeps no prefix cache across requests (and invalidates its KV
         itself on a refit or a discard), so there is nothing stale to drop."""
-        reset = getattr(self.engine, "reset_prefix_cache", None)
+        reset = getattr(self.llm, "reset_prefix_cache", None)
         return True if reset is None else bool(await self._call(reset))
 
     async def collective_rpc(
@@ -273,6 +274,16 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     @property
+    def device(self) -> str:
+        """The device the weights live on ("cuda" or "cpu")."""
+        device = str(self.engine.config.device)
+        if device == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return device
+
+    @property
     def max_model_len(self) -> int:
         return int(self.engine.config.max_model_len)
 
@@ -298,6 +309,7 @@ class AsyncLLM:
         if not self._is_stopped:
             self._submit(self._stop)
             self._thread.join()
+            self._tokenize_pool.shutdown(wait=False)
             self.llm.shutdown()
 
     # ── the loop thread ──────────────────────────────────────────────────────────────────────
@@ -349,7 +361,16 @@ class AsyncLLM:
         if result is not _DEFERRED:
             future.set_result(result)
 
-    def _add(self, prompt: str | list[int], params: SamplingParams, tracked: _Tracked) -> int:
+    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> Any:
+        """Tokenizes and validates off the loop thread (a long prompt never stalls a step)
+        where the engine splits that out (``make_request_input``); raises on a bad request."""
+        make = getattr(self.engine, "make_request_input", None)
+        if make is None:
+            return (_engine_prompt(prompt), params)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, make, prompt, params)
+
+    def _add(self, request: Any, tracked: _Tracked) -> Any:
         if tracked.user_id in self._cancelled:  # aborted while it was held
             self._cancelled.discard(tracked.user_id)
             raise asyncio.CancelledError(f"request {tracked.user_id!r} was aborted")
@@ -358,7 +379,10 @@ class AsyncLLM:
         control = self.engine.sleep_control
         if not (control.is_paused and control.is_fully_awake):  # a pause only: it waits
             self.engine.check_can_generate()
-        tracked.engine_id = self.engine.add_request(prompt, params)
+        if isinstance(request, tuple):
+            tracked.engine_id = self.engine.add_request(*request)
+        else:
+            tracked.engine_id = self.engine.add_request_input(request)
         self._tracked[str(tracked.engine_id)] = tracked
         self._user_ids[tracked.user_id] = str(tracked.engine_id)
         return tracked.engine_id

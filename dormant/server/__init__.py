@@ -1,8 +1,7 @@
-"""An OpenAI-compatible HTTP server with sleep-mode endpoints (``dormant serve``); outside the
-engine's core, built on the public ``LLM``."""
+"""The HTTP server (``dormant serve``): FastAPI routes over one ``AsyncLLM``, served by uvicorn;
+outside the engine's core. Needs the ``serve`` extra (``pip install 'dormant[serve]'``)."""
 
-from dormant.server.app import DormantServer
-from dormant.server.engine_loop import EngineLoop, EngineStoppedError
-from dormant.server.protocol import BadRequestError
+from dormant.server.app import ServerThread, build_app, uvicorn_config
+from dormant.server.settings import ServerSettings
 
-__all__ = ["BadRequestError", "DormantServer", "EngineLoop", "EngineStoppedError"]
+__all__ = ["ServerSettings", "ServerThread", "build_app", "uvicorn_config"]

@@ -1,0 +1,7 @@
+"""``python -m dormant``: the same command line as ``dormant``."""
+
+import sys
+
+from dormant.cli import main
+
+sys.exit(main())

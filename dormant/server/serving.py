@@ -1,0 +1,211 @@
+"""What every generation route shares: the model-name check, prompt checks made before the
+engine sees anything (length before tokenization, tokenization off the engine thread, token
+ids against the vocabulary, ``max_tokens`` against the context), auto-wake, and running or
+streaming several prompts as one request (all or none: a refusal cancels the rest)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from dormant.core.sampling_params import SamplingParams
+from dormant.engine.async_llm import AsyncLLM
+from dormant.engine.outputs import RequestOutput
+from dormant.server.errors import BadRequestError, NotServedError
+from dormant.server.metrics import Metrics
+from dormant.server.settings import MAX_CHARS_PER_TOKEN, ServerSettings
+
+PromptIn = str | list[int]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt checked and tokenized: what the engine will be given."""
+
+    token_ids: list[int]
+    text: str | None
+
+
+class Serving:
+    """Shared by the OpenAI and SGLang routes; talks only to ``AsyncLLM``."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: Metrics) -> None:
+        self.engine, self.settings, self.metrics = engine, settings, metrics
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.max_prompt_chars = settings.max_prompt_chars or (
+            self.max_model_len * MAX_CHARS_PER_TOKEN
+        )
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="dormant-http-tokenize")
+        self.last_activity = time.monotonic()
+        self.num_in_flight = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.settings.served_model_names:
+            raise NotServedError(
+                f"the model {name!r} is not served here; served: "
+                f"{list(self.settings.served_model_names)} (see /v1/models)",
+                kind="NotFoundError",
+            )
+
+    # ── prompts ──────────────────────────────────────────────────────────────────────────────
+
+    async def prepare(self, prompt: PromptIn, add_special_tokens: bool = True) -> Prepared:
+        """Checks ``prompt`` (text is measured before it is tokenized, on a tokenizer thread);
+        raises BadRequestError with what was wrong."""
+        if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise BadRequestError(
+                    f"the prompt has {len(prompt)} characters, more than this server accepts "
+                    f"({self.max_prompt_chars}); the context holds {self.max_model_len} tokens"
+                )
+            tokenizer = self.tokenizer()
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(
+                self._tokenize_pool, lambda: tokenizer.encode(prompt, add_special_tokens)
+            )
+            return self.check_ids(list(ids), prompt)
+        return self.check_ids(list(prompt), None)
+
+    def check_ids(self, token_ids: Sequence[int], text: str | None) -> Prepared:
+        if not token_ids:
+            raise BadRequestError("the prompt is empty; give at least one token")
+        bad = [(i, t) for i, t in enumerate(token_ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            where = ", ".join(f"{t} at position {i}" for i, t in bad[:3])
+            raise BadRequestError(
+                f"token ids must be in [0, {self.vocab_size}) (the vocabulary); got {where}"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise BadRequestError(
+                f"the prompt has {len(token_ids)} tokens; this model's maximum context length "
+                f"is {self.max_model_len} tokens (max_model_len), leaving none to generate"
+            )
+        return Prepared(list(token_ids), text)
+
+    def max_tokens(self, prompts: Sequence[Prepared], requested: int | None) -> int:
+        """vLLM's rule: ``requested`` must fit beside the longest prompt; None means all the
+        room that is left."""
+        longest = max(len(p.token_ids) for p in prompts)
+        room = self.max_model_len - longest
+        if requested is None:
+            return room
+        if requested > room:
+            raise BadRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {longest + requested} tokens ({longest} in the prompt, "
+                f"{requested} for the completion). Lower max_tokens or the prompt"
+            )
+        return requested
+
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> Prepared:
+        tokenizer = self.tokenizer()
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(
+            self._tokenize_pool, tokenizer.apply_chat_template, messages
+        )
+        return self.check_ids(ids, None)
+
+    def tokenizer(self) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise BadRequestError(
+                "this server has no tokenizer (skip_tokenizer_init): give prompts as token ids"
+            )
+        return tokenizer
+
+    # ── generation ───────────────────────────────────────────────────────────────────────────
+
+    async def ensure_awake(self) -> None:
+        """With ``auto_wake``, a request arriving while asleep wakes the engine (refused
+        when the weights were discarded: they need a refit first)."""
+        if not self.settings.auto_wake or not await self.engine.is_sleeping():
+            return
+        await self.engine.wake_up()
+        self.metrics.wakes.inc()
+
+    async def streams(
+        self, prompts: Sequence[Prepared], params: SamplingParams, request_id: str
+    ) -> list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]:
+        """Starts every prompt and waits for each one's first output, so that a refusal
+        (asleep, invalid) raises here, before any reply is sent; closes them all on error."""
+        await self.ensure_awake()
+        generators: list[Any] = [
+            self.engine.generate(
+                {"prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}"
+            ).__aiter__()
+            for i, p in enumerate(prompts)
+        ]
+        firsts = await asyncio.gather(*(g.__anext__() for g in generators), return_exceptions=True)
+        errors = [f for f in firsts if isinstance(f, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.aclose() for g in generators), return_exceptions=True)
+            raise errors[0]
+        return list(zip(firsts, generators, strict=True))  # type: ignore[arg-type]
+
+    async def run(
+        self, prompts: Sequence[Prepared], params: SamplingParams, request_id: str
+    ) -> list[RequestOutput]:
+        """The final output of every prompt, in order."""
+        with self.metrics.track_request(self):
+            started = await self.streams(prompts, params, request_id)
+
+            async def last(first: RequestOutput, rest: AsyncIterator[RequestOutput]):
+                output = first
+                async for output in rest:  # noqa: B007
+                    pass
+                return output
+
+            tasks = [asyncio.ensure_future(last(f, r)) for f, r in started]
+            try:
+                outputs = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
+            self.metrics.count_outputs(outputs)
+            return list(outputs)
+
+    async def merged(
+        self, started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as each stream produces them; cancelling the
+        consumer cancels (and so aborts) every stream."""
+        items: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, first: RequestOutput, rest: AsyncIterator[RequestOutput]):
+            await items.put((index, first))
+            try:
+                async for output in rest:
+                    await items.put((index, output))
+            except BaseException as error:
+                await items.put((index, error))
+            await items.put((index, None))
+
+        with self.metrics.track_request(self):
+            tasks = [asyncio.ensure_future(pump(i, f, r)) for i, (f, r) in enumerate(started)]
+            num_open = len(tasks)
+            finals: list[RequestOutput] = []
+            try:
+                while num_open:
+                    index, item = await items.get()
+                    if item is None:
+                        num_open -= 1
+                        continue
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finished:
+                        finals.append(item)
+                    yield index, item
+                self.metrics.count_outputs(finals)
+            finally:
+                for task in tasks:
+                    task.cancel()

@@ -1,0 +1,122 @@
+"""SGLang's request bodies (``sglang/srt/managers/io_struct.py``), the fields dormant honours,
+strict like the OpenAI ones: an unknown field is a 400, not silently dropped."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from dormant.core.sampling_params import SamplingParams
+from dormant.server.protocol import Strict, TokenIds
+
+
+class SGLangSamplingParams(Strict):
+    """SGLang's ``sampling_params`` dict, mapped onto vLLM's names."""
+
+    max_new_tokens: int | None = Field(default=128, ge=1)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = Field(default=1, ge=1, le=128)
+    sampling_seed: int | None = None
+
+    def to_vllm(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None):
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.no_stop_trim,
+            seed=self.sampling_seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_new_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class GenerateRequest(Strict):
+    """``POST /generate``: ``text`` or ``input_ids`` (one prompt, or a list of them)."""
+
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: SGLangSamplingParams | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | None = None
+
+
+class TagsRequest(Strict):
+    tags: list[str] | None = None
+
+
+class PauseGenerationRequest(Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsFromDiskRequest(Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightsFromTensorRequest(Strict):
+    serialized_named_tensors: list[Any]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupRequest(Strict):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedRequest(Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyWeightsUpdateGroupRequest(Strict):
+    group_name: str = "weight_update_group"
+
+
+class CollectiveRpcRequest(Strict):
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = None
