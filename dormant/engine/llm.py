@@ -11,7 +11,7 @@ llm.wake_up(["kv_cache"])                # and the KV cache; CUDA graphs stay va
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,57 +38,94 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text, token ids, or {"prompt_token_ids": [...]});
-        returns the outputs in prompt order. Raises EngineAsleepError while asleep."""
+        """Generates for every prompt (text, token ids, or vLLM's ``{"prompt_token_ids":
+        [...]}``); returns one ``RequestOutput`` per prompt, in prompt order, each with
+        ``params.n`` completions. ``use_tqdm`` shows a progress bar over the prompts (or is a
+        ``tqdm``-like callable to make it with).
+
+        Every prompt and its parameters are validated before any is queued: a bad one raises
+        (``InvalidSamplingParamsError``, ``RequestTooLongError``...) and queues nothing.
+        Raises EngineAsleepError while asleep.
+        """
         engine = self.llm_engine
         engine.check_can_generate()  # before queuing anything: a refused call leaves no trace
         batch = _as_prompt_list(prompts)
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(batch):
             raise ValueError(f"{len(param_list)} sampling params for {len(batch)} prompts")
-        ids = [
-            engine.add_request(_token_ids_or_text(p), sp)
-            for p, sp in zip(batch, param_list, strict=True)
+        requests = [
+            engine.make_request_input(p, sp) for p, sp in zip(batch, param_list, strict=True)
         ]
+        ids: list[int] = []
         done: dict[str, RequestOutput] = {}
+        progress = _progress_bar(use_tqdm, len(requests))
         try:
+            for request in requests:
+                ids.append(engine.add_request_input(request))
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     done[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
         except BaseException:
             engine.abort_request(ids)
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [done[str(i)] for i in ids]
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (the ``transformers`` one for a HF model), as vLLM's; None under
+        ``skip_tokenizer_init``."""
+        tokenizer = self.llm_engine.tokenizer
+        return getattr(tokenizer, "hf_tokenizer", tokenizer)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's call after a refit. dormant keeps no KV across requests (its samples share
+        blocks only within a request), so no cached KV can be stale: True, as vLLM's success."""
+        return True
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Frees memory: level 1 offloads the weights to host RAM and discards the KV cache;
         level 2 discards both (refit before generating); level 0 only pauses scheduling."""
         self.llm_engine.sleep(level, mode)
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Maps memory back at the same addresses: all tags, or the ones named."""
-        self.llm_engine.wake_up(tags)
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """Maps memory back at the same addresses: all tags, or the ones named (with their
+        groups: ``["weights"]`` also wakes ``runtime``). Returns whether the engine is now
+        fully awake, as recent vLLM does."""
+        return self.llm_engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
 
-    def reload_weights(self, path: str | None = None) -> None:
-        self.llm_engine.reload_weights(path)
+    def reload_weights(self, path: str | None = None, weight_version: str | None = None) -> None:
+        self.llm_engine.reload_weights(path, weight_version)
 
     def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        weight_version: str | None = None,
     ) -> None:
-        """Refits in place from (HF name, tensor) pairs or a state dict; checks names, shapes
-        and dtypes of all of them before writing any."""
+        """Refits in place from (HF name, tensor) pairs or a state dict, host or device, floats
+        of any dtype (cast on copy); checks names and shapes of all of them before writing."""
         items = weights.items() if isinstance(weights, Mapping) else weights
-        self.llm_engine.update_weights(items)
+        self.llm_engine.update_weights(items, weight_version)
 
     def collective_rpc(
-        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return self.llm_engine.collective_rpc(method, args, kwargs)
+        """vLLM's ``LLM.collective_rpc``: ``method`` (a built-in, a worker extension's method,
+        or a callable ``fn(worker, *args, **kwargs)``) on every rank; one result per rank."""
+        return self.llm_engine.collective_rpc(method, args, kwargs, timeout)
 
     # SGLang's names for the same operations.
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
@@ -99,6 +136,56 @@ class LLM:
 
     def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         self.wake_up(tags)
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Any,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> None:
+        """SGLang's: (name, tensor) pairs, or serialized CUDA IPC entries (one per TP rank, or
+        one for all; ``load_format="flattened_bucket"`` for one flat buffer plus metadata),
+        copied in place device to device. See ``dormant.worker.ipc_weights`` for the formats."""
+        self.llm_engine.refits.update_weights_from_tensor(
+            named_tensors, load_format, flush_cache, weight_version
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """SGLang's: joins the trainer's process group (the trainer is its rank 0; rank r of
+        this engine is ``rank_offset + r``), NCCL on GPUs or gloo."""
+        self.llm_engine.refits.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> None:
+        """SGLang's: receives the trainer's broadcast of each named tensor, in order."""
+        self.llm_engine.refits.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, flush_cache, weight_version
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.llm_engine.refits.destroy_weights_update_group(group_name)
+
+    def get_weight_version(self) -> str | None:
+        """The version the last successful refit was given (SGLang's), or None."""
+        return self.llm_engine.refits.weight_version
 
     def memory_status(self) -> list[MemoryStatus]:
         """Per rank: bytes and state per tag, the last sleep and wake timings, the residual."""
@@ -126,11 +213,11 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return items
 
 
-def _token_ids_or_text(prompt: Prompt) -> str | list[int]:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping):
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        return str(prompt["prompt"])
-    return list(prompt)
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:
+    if use_tqdm is False:
+        return None
+    if use_tqdm is True:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    return use_tqdm(total=total, desc="Processed prompts")

@@ -1,21 +1,16 @@
-"""The engine: requests in, tokens out, and the sleep state machine over its workers.
+"""The engine: requests in, tokens out, over its workers.
 
-Sleep state (per engine; memory state per tag lives in each worker's MemoryManager)::
-
-    request          awake                    asleep at level L          asleep at level L' ≠ L
-    sleep(L)         handle in-flight (mode),  re-sleep woken tags        SleepLevelConflictError
-                     sleep every rank at L     (idempotent)               (nothing changes)
-    wake_up(tags)    no-op                     wake tags on every rank    wake tags on every rank
-    step/generate    run                       EngineAsleepError          EngineAsleepError
-
-After a level-2 sleep the weights are stale until every one of them was rewritten by
-``reload_weights`` or ``update_weights``; stepping before that raises WeightsNotLoadedError.
+Its sleep state has one owner, ``SleepControl`` (``sleep_control.py``, where the rules are
+written down as a table); the memory state per tag lives in each worker's MemoryManager and
+reaches the engine as each rank's ``RankSleepState``. In-flight requests at a sleep are handled
+by mode: ``abort`` finishes them, ``wait`` drains them first, ``keep`` pauses them and, where
+the KV cache is discarded, recomputes their KV after the wake.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,32 +18,21 @@ import torch
 
 from dormant.core.commands import PUBLIC_RPC, Command
 from dormant.core.config import EngineConfig
-from dormant.core.errors import (
-    EngineAsleepError,
-    SleepLevelConflictError,
-    SleepModeDisabledError,
-    UnknownRpcMethodError,
-    WeightsNotLoadedError,
-)
+from dormant.core.errors import SleepModeDisabledError
 from dormant.core.sampling_params import SamplingParams
 from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
-from dormant.engine.outputs import CompletionOutput, RequestOutput
+from dormant.engine.model_config_view import ModelConfigView
+from dormant.engine.output_processor import OutputProcessor
+from dormant.engine.outputs import RequestOutput
+from dormant.engine.refits import WeightRefits
+from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, make_request_input
 from dormant.engine.scheduler import Scheduler
-from dormant.engine.sequence import Sequence as Seq
 from dormant.engine.sequence import SequenceFactory
+from dormant.engine.sleep_control import SLEEP_MODES, SleepControl
 from dormant.engine.tokenizer import Tokenizer, load_tokenizer
-from dormant.executors import Executor, make_executor
-from dormant.memory import CUDA_GRAPH, KV_CACHE, LEVELS, RUNTIME, WEIGHTS, WORKSPACE, Policy
-
-SLEEP_LEVELS = (0, 1, 2)
-# What waking one of vLLM's tags also wakes: a refit writes weights and checkpoint k/v scales
-# (runtime buffers); generating needs the KV cache, the runtime state, graph pools and scratch.
-WAKE_GROUPS: dict[str, tuple[str, ...]] = {
-    WEIGHTS: (WEIGHTS, RUNTIME),
-    KV_CACHE: (KV_CACHE, RUNTIME, CUDA_GRAPH, WORKSPACE),
-}
-SLEEP_MODES = ("abort", "wait", "keep")
+from dormant.executors import Executor, UniprocExecutor, make_executor
+from dormant.memory import KV_CACHE
 
 
 @dataclass(frozen=True)
@@ -73,14 +57,23 @@ class LLMEngine:
                     "kv_cache_memory_bytes, or use a smaller model"
                 )
             max_multi_step_seqs = min(self.executor.run(Command.INIT_KV_CACHE, num_blocks))
+            self.sleep_control = SleepControl(self.executor.run(Command.SLEEP_STATE))
+            self.refits = WeightRefits(self.executor, self._refresh_sleep_state)
         except BaseException:
             self.executor.shutdown()
             raise
         model = config.model_config
-        self.tokenizer: Tokenizer = load_tokenizer(
-            config.tokenizer or config.model, model.vocab_size
+        self.tokenizer: Tokenizer | None = load_tokenizer(
+            config.model,
+            model.vocab_size,
+            tokenizer_dir=config.tokenizer,
+            is_random_model=config.load_format == "dummy",
+            skip_tokenizer_init=config.skip_tokenizer_init,
+            trust_remote_code=config.trust_remote_code,
         )
-        eos = frozenset(model.eos_token_ids) | self.tokenizer.eos_token_ids
+        eos = frozenset(model.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
         self.runtime = EngineRuntime(num_blocks, eos, frozenset(weight_names))
         limits = SchedulerConfig(
             config.max_num_seqs,
@@ -91,26 +84,43 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(limits, BlockManager(num_blocks, config.block_size), eos)
         self._sequences = SequenceFactory(random.Random(config.seed))
-        self._prompts: dict[int, str | None] = {}
-        self._sleep_level: int | None = None
-        self._asleep: dict[str, str] = {}
-        self._stale_weights: set[str] = set()
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
+        self.model_config = ModelConfigView.of(config)
 
     # ── requests ──────────────────────────────────────────────────────────────────────────────
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams) -> int:
-        """Queues a request; returns its id. Allowed while asleep (it runs after wake)."""
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        seq = self._sequences.create(token_ids, params)
-        self.scheduler.add(seq)
-        self._prompts[seq.seq_id] = text
-        return seq.seq_id
+    def add_request(self, prompt: Prompt, params: SamplingParams) -> int:
+        """Queues a request (text, token ids, or ``{"prompt_token_ids": [...]}``); returns its
+        id. Bad parameters raise (``InvalidSamplingParamsError``...) and queue nothing.
+        Allowed while asleep (it runs after wake)."""
+        return self.add_request_input(self.make_request_input(prompt, params))
+
+    def make_request_input(self, prompt: Prompt, params: SamplingParams) -> RequestInput:
+        """Tokenizes and validates a request without queuing it (see ``make_request_input``)."""
+        return make_request_input(prompt, params, self.tokenizer, self._limits)
+
+    def add_request_input(self, request: RequestInput) -> int:
+        """Queues a validated request: ``params.n`` sequences, the first of which computes the
+        prompt's KV and the others share its full blocks (see ``Scheduler``)."""
+        params, token_ids = request.params, request.prompt_token_ids
+        first = self._sequences.create(token_ids, params)
+        seqs = [first]
+        for index in range(1, params.n):
+            fork = self._sequences.create(token_ids, params, index)
+            fork.fork_source = first
+            seqs.append(fork)
+        for seq in seqs:  # the first add raises (queuing nothing) if the prompt cannot fit
+            self.scheduler.add(seq)
+        self.outputs.add(first.seq_id, request.prompt, token_ids, params, seqs)
+        return first.seq_id
 
     def abort_request(self, request_ids: Iterable[int] | None = None) -> list[RequestOutput]:
-        return [self._output(seq) for seq in self.scheduler.abort(request_ids)]
+        """Finishes the given requests (all when None) with finish_reason "abort"; returns
+        their outputs. Unknown or finished ids are ignored."""
+        ids = None if request_ids is None else list(request_ids)
+        aborted = self.scheduler.abort(self.outputs.seq_ids(ids))
+        return self.outputs.pop_finished(aborted)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -118,25 +128,17 @@ class LLMEngine:
     def request_output(self, request_id: int) -> RequestOutput | None:
         """An unfinished request as it stands (its output so far), for streaming; None once it
         finished (``step`` returned it) or if it is unknown."""
-        seq = self.scheduler.unfinished(request_id)
-        return None if seq is None else self._output(seq)
+        return self.outputs.output(request_id)
 
     def check_can_generate(self) -> None:
-        """Raises EngineAsleepError / WeightsNotLoadedError if a step cannot run now."""
-        if self._sleep_level == 0:
-            raise EngineAsleepError("scheduling is paused by sleep(level=0); call wake_up()")
-        if self._asleep:
-            raise EngineAsleepError(
-                f"the engine is asleep (level {self._sleep_level}); tags still asleep: "
-                f"{sorted(self._asleep)}. Call wake_up() (or wake_up([...]) for each) first."
-            )
-        if self._stale_weights:
-            some = ", ".join(sorted(self._stale_weights)[:3])
-            raise WeightsNotLoadedError(
-                f"{len(self._stale_weights)} of {len(self.runtime.weight_names)} weights were "
-                f"discarded by sleep(level=2) and not refit since (e.g. {some}). Call "
-                "reload_weights() or update_weights(...) with all of them before generating."
-            )
+        """Raises EngineAsleepError / WeightsNotLoadedError if a step cannot run now.
+
+        An in-process worker is asked afresh: its model object is reachable without the engine
+        (TRL's ``model.load_weights``), and asking costs a function call. Workers in other
+        processes are reached only through commands, which report their state themselves."""
+        if isinstance(self.executor, UniprocExecutor):
+            self._refresh_sleep_state()
+        self.sleep_control.check_can_generate()
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns the requests that finished in it."""
@@ -154,47 +156,53 @@ class LLMEngine:
         except BaseException:
             self.scheduler.preempt_all()  # the step is redone from recomputed KV
             raise
+        num_before = [seq.num_output_tokens for seq in batch.seqs]
         tokens = [list(seq.token_ids) for seq in output.seqs]
-        return [self._output(seq) for seq in self.scheduler.postprocess_steps(batch, tokens)]
+        finished = self.scheduler.postprocess_steps(batch, tokens, self.outputs.on_token)
+        self.outputs.record_step(batch.seqs, output.seqs, num_before)
+        return self.outputs.pop_finished(finished)
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
 
     @property
     def sleep_level(self) -> int | None:
-        return self._sleep_level
+        return self.sleep_control.level
 
     def is_sleeping(self) -> bool:
-        return self._sleep_level is not None
+        return self.sleep_control.is_sleeping
 
     def sleep(self, level: int = 1, mode: str = "abort") -> list[RequestOutput]:
-        """Sleeps every rank at ``level`` after handling in-flight requests by ``mode``:
-        ``abort`` finishes them (finish_reason "abort"), ``wait`` runs them to completion
-        first, ``keep`` pauses them and resumes them after wake. Returns the requests that
-        finished during the call (aborted or drained)."""
-        if not self.config.enable_sleep_mode:
-            raise SleepModeDisabledError("sleep() needs LLM(..., enable_sleep_mode=True)")
-        if level not in SLEEP_LEVELS:
-            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
-        if mode not in SLEEP_MODES:
-            raise ValueError(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
-        if self._sleep_level is not None and self._sleep_level != level:
-            raise SleepLevelConflictError(
-                f"the engine is asleep at level {self._sleep_level}; sleep(level={level}) "
-                "conflicts. Nothing was changed: wake_up() first to sleep at another level."
-            )
-        finished: list[RequestOutput] = []
-        if self._sleep_level is None and self.scheduler.has_unfinished:
-            if mode == "abort":
-                finished = self.abort_request()
-            elif mode == "wait":
-                while self.scheduler.has_unfinished:
-                    finished += self.step()
-            elif level > 0:  # keep: the KV cache is about to be discarded; recompute after wake
-                self.scheduler.preempt_all()
+        """Sleeps every rank at ``level`` after handling in-flight requests by ``mode`` (level 0
+        pauses scheduling only). On a paused engine the pause's choice stands: kept requests
+        stay kept. Returns the requests that finished during the call (aborted or drained). A
+        conflicting request raises before anything changes (``SleepControl``)."""
+        self._check_sleep_mode_enabled()
+        _check_mode(mode)
+        control = self.sleep_control
+        control.check_sleep(level)
+        if control.is_paused:
+            mode = "keep"  # the pause settled the requests already; what it kept stays kept
+        elif mode == "wait" and self.scheduler.has_unfinished:
+            control.check_can_generate()  # draining needs a runnable engine
+        finished = self._settle_requests(mode, discards_kv=level > 0)
         if level > 0:
-            self._set_asleep(self.executor.run(Command.SLEEP, level)[0])
-        self._sleep_level = level
+            self._run_sleep_command(Command.SLEEP, level)
+        control.asked(level)
         return finished
+
+    def pause(self, mode: str = "abort") -> list[RequestOutput]:
+        """vLLM's ``pause_generation``: handles in-flight requests by ``mode`` (``keep`` leaves
+        them queued) and stops scheduling; memory is untouched. Returns the requests that
+        finished (aborted or drained)."""
+        _check_mode(mode)
+        finished = self._settle_requests(mode, discards_kv=False)
+        self.sleep_control.asked(0)
+        return finished
+
+    def resume(self) -> None:
+        """vLLM's ``resume_generation``: scheduling runs again (kept requests continue).
+        Memory that is asleep stays asleep: wake it with ``wake_up``."""
+        self.sleep_control.is_paused = False
 
     def release(self, tags: Sequence[str] | None = None) -> None:
         """Tag-granular sleep (SGLang's ``release_memory_occupation``): each tag with its
@@ -202,98 +210,126 @@ class LLMEngine:
         if tags is None:
             self.sleep(level=1, mode="keep")
             return
-        if not self.config.enable_sleep_mode:
-            raise SleepModeDisabledError("release needs LLM(..., enable_sleep_mode=True)")
-        if self._sleep_level not in (None, 1):
-            raise SleepLevelConflictError(
-                f"the engine is asleep at level {self._sleep_level}; wake_up() first"
-            )
-        policies = {tag: LEVELS[1].get(tag, Policy.HOST).value for tag in tags}
-        if KV_CACHE in policies and self.scheduler.has_unfinished:
-            self.scheduler.preempt_all()
-        self._set_asleep(self.executor.run(Command.SLEEP, None, policies)[0])
-        self._sleep_level = 1
+        self._check_sleep_mode_enabled()
+        named = self.sleep_control.known_tags(tags)
+        self.sleep_control.check_sleep(1, named)
+        self._settle_requests("keep", discards_kv=KV_CACHE in named)
+        self._run_sleep_command(Command.SLEEP, 1, named)
+        self.sleep_control.asked(1)
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Wakes ``tags`` (all when None) on every rank. Unknown tags raise and change nothing.
+    def wake_up(self, tags: Sequence[str] | None = None) -> bool:
+        """Wakes ``tags`` (all when None) on every rank; returns whether the engine is now
+        fully awake. Unknown tags raise and change nothing.
 
         vLLM's two tags wake what goes with them (``WAKE_GROUPS``), so its RL sequence
         ``wake_up(["weights"])`` → refit → ``wake_up(["kv_cache"])`` leaves nothing asleep.
         """
-        tag_list = None
-        if tags is not None:
-            named = [tags] if isinstance(tags, str) else list(tags)
-            tag_list = list(dict.fromkeys(t for tag in named for t in WAKE_GROUPS.get(tag, (tag,))))
-        self._set_asleep(self.executor.run(Command.WAKE_UP, tag_list)[0])
-        if not self._asleep:
-            self._sleep_level = None
+        self._run_sleep_command(Command.WAKE_UP, self.sleep_control.wake_tags(tags))
+        self.sleep_control.woke()
+        return not self.sleep_control.is_sleeping
 
     # ── weights ───────────────────────────────────────────────────────────────────────────────
 
-    def reload_weights(self, path: str | None = None) -> list[tuple[str, ...]]:
-        """Re-reads the checkpoint into the existing weight tensors, on every rank."""
-        self._check_weights_awake("reload_weights")
-        results = self.executor.run(Command.RELOAD_WEIGHTS, path)
-        self._stale_weights -= set(results[0])
-        return results
+    def reload_weights(
+        self, path: str | None = None, weight_version: str | None = None
+    ) -> list[tuple[str, ...]]:
+        """Re-reads the checkpoint into the existing weight tensors, on every rank; returns the
+        names each rank wrote. The other refit paths are on ``refits`` (``WeightRefits``)."""
+        return self.refits.reload_weights(path, weight_version)
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, ...]]:
-        """Refits HF-named tensors in place on every rank; validates all of them first."""
-        self._check_weights_awake("update_weights")
-        results = self.executor.run(Command.UPDATE_WEIGHTS, list(weights))
-        self._stale_weights -= set(results[0])
-        return results
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> list[tuple[str, ...]]:
+        """Refits HF-named tensors in place on every rank (floats cast); validates all of them
+        before writing any."""
+        return self.refits.update_weights(weights, weight_version)
 
     def collective_rpc(
-        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str | Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> list[Any]:
-        """Calls an allowlisted worker method on every rank; returns the results in rank order."""
-        command = PUBLIC_RPC.get(method)
-        if command is None:
-            raise UnknownRpcMethodError(
-                f"collective_rpc: {method!r} is not an allowed worker method; allowed: "
-                f"{sorted(PUBLIC_RPC)}"
-            )
+        """Calls ``method`` on every rank; returns one result per rank, in rank order, for
+        every method (vLLM's shape). ``method`` is a built-in (``PUBLIC_RPC``), a method of the
+        ``worker_extension_cls``, or a callable ``fn(worker, *args, **kwargs)`` (sent pickled by
+        value to worker processes). Sleep, wake and refits go through the engine's own methods,
+        so its view of the workers stays right: they return each rank's ``RankSleepState``
+        (sleep, wake) or the names each rank wrote (refits). ``timeout`` is accepted for vLLM's
+        callers; commands are bounded by the executor's own timeout."""
         kwargs = kwargs or {}
-        routed = {
-            Command.SLEEP: lambda: self.sleep(*args, **kwargs),
-            Command.WAKE_UP: lambda: self.wake_up(*args, **kwargs),
-            Command.RELOAD_WEIGHTS: lambda: self.reload_weights(*args, **kwargs),
-            Command.UPDATE_WEIGHTS: lambda: self.update_weights(*args, **kwargs),
-        }
-        if command in routed:  # state-changing: through the engine, so its view stays right
-            result = routed[command]()
-            return result if isinstance(result, list) else [result] * self.executor.world_size
+        if callable(method):
+            return self.refits.run(Command.CALL_FUNCTION, _by_value(method), tuple(args), kwargs)
+        command = PUBLIC_RPC.get(method)
+        if command is None:  # the workers check it against their extension's methods
+            return self.refits.run(Command.CALL_EXTENSION, method, tuple(args), kwargs)
+        if command is Command.SLEEP:
+            self.sleep(*args, **kwargs)
+            return list(self.sleep_control.ranks)
+        if command is Command.WAKE_UP:
+            self.wake_up(*args, **kwargs)
+            return list(self.sleep_control.ranks)
+        if command is Command.RELOAD_WEIGHTS:
+            return self.reload_weights(*args, **kwargs)
+        if command is Command.UPDATE_WEIGHTS:
+            return self.update_weights(*args, **kwargs)
         return self.executor.run(command, *args, **kwargs)
+
+    @property
+    def model_executor(self) -> Executor:
+        """vLLM's name for the executor (TRL reaches the model through it)."""
+        return self.executor
 
     def shutdown(self) -> None:
         self.executor.shutdown()
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
 
-    def _set_asleep(self, asleep: dict[str, str]) -> None:
-        if asleep.get(WEIGHTS) == "discard" and self._asleep.get(WEIGHTS) != "discard":
-            self._stale_weights = set(self.runtime.weight_names)
-        self._asleep = asleep
-
-    def _check_weights_awake(self, what: str) -> None:
-        """A refit writes parameters (weights) and checkpoint k/v scales (runtime buffers)."""
-        asleep = [tag for tag in (WEIGHTS, RUNTIME) if tag in self._asleep]
-        if asleep:
-            raise EngineAsleepError(
-                f"{what}: {asleep} asleep; wake_up(['weights']) first, then refit"
+    def _check_sleep_mode_enabled(self) -> None:
+        if not self.config.enable_sleep_mode:
+            raise SleepModeDisabledError(
+                "sleep and release need LLM(..., enable_sleep_mode=True); this engine was "
+                "built without it"
             )
 
-    def _output(self, seq: Seq) -> RequestOutput:
-        """What ``seq`` has produced so far; its prompt text is forgotten once it finished."""
-        text = self.tokenizer.decode(seq.output_token_ids)
-        reason = None if seq.finish_reason is None else str(seq.finish_reason)
-        completion = CompletionOutput(0, text, tuple(seq.output_token_ids), reason)
-        prompts = self._prompts
-        return RequestOutput(
-            request_id=str(seq.seq_id),
-            prompt=prompts.pop(seq.seq_id, None) if seq.is_finished else prompts.get(seq.seq_id),
-            prompt_token_ids=tuple(seq.prompt_token_ids),
-            outputs=(completion,),
-            finished=seq.is_finished,
-        )
+    def _settle_requests(self, mode: str, *, discards_kv: bool) -> list[RequestOutput]:
+        """Handles in-flight requests before memory sleeps: ``abort`` finishes them, ``wait``
+        runs them to completion, ``keep`` keeps them (recomputing their KV if it is about to
+        be discarded). Returns the requests that finished."""
+        if not self.scheduler.has_unfinished:
+            return []
+        if mode == "abort":
+            return self.abort_request()
+        finished: list[RequestOutput] = []
+        if mode == "wait":
+            while self.scheduler.has_unfinished:
+                finished += self.step()
+        elif discards_kv:
+            self.scheduler.preempt_all()
+        return finished
+
+    def _run_sleep_command(self, command: Command, *args: Any) -> None:
+        """Runs a sleep or wake command on every rank and records what they report. If a rank
+        fails, every rank's state is fetched first, so the engine's view stays truthful."""
+        try:
+            states = self.executor.run(command, *args)
+        except BaseException:
+            self._refresh_sleep_state()
+            raise
+        self.sleep_control.update(states)
+
+    def _refresh_sleep_state(self) -> None:
+        self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
+
+
+def _by_value(function: Callable[..., Any]) -> bytes:
+    """A callable as cloudpickle bytes, so closures and lambdas reach worker processes too."""
+    import cloudpickle
+
+    return cloudpickle.dumps(function)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in SLEEP_MODES:
+        raise ValueError(f"sleep/pause mode must be one of {SLEEP_MODES}, got {mode!r}")

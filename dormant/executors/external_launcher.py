@@ -14,7 +14,7 @@ import torch
 from dormant.core.config import EngineConfig
 from dormant.executors.uniproc import UniprocExecutor
 from dormant.executors.worker_process import init_distributed
-from dormant.worker.worker import Worker
+from dormant.worker.worker import create_worker
 
 
 def external_launcher_executor(config: EngineConfig) -> UniprocExecutor:
@@ -28,5 +28,6 @@ def external_launcher_executor(config: EngineConfig) -> UniprocExecutor:
         )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    init_distributed(int(os.environ["RANK"]), world_size, "env://", on_gpu)
-    return UniprocExecutor(config, Worker(config, local_rank, world_size))
+    init_distributed(int(os.environ["RANK"]), world_size, "env://", on_gpu, local_rank)
+    rank = int(os.environ["RANK"])
+    return UniprocExecutor(config, create_worker(config, rank, world_size, local_rank))

@@ -8,7 +8,19 @@ from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
 from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
-from dormant.worker.worker import Worker
+from dormant.worker.worker import Worker, create_worker
+
+
+class WorkerWrapper:
+    """vLLM's ``driver_worker``: the worker as ``.worker``, and its attributes directly, so both
+    ``driver_worker.worker.model_runner.model`` and TRL's ``driver_worker.model_runner.model``
+    reach the model object."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
 
 
 class UniprocExecutor:
@@ -17,7 +29,8 @@ class UniprocExecutor:
     world_size = 1  # the ranks this executor talks to: its own
 
     def __init__(self, config: EngineConfig, worker: Worker | None = None) -> None:
-        self.worker = worker or Worker(config)
+        self.worker = worker or create_worker(config)
+        self.driver_worker = WorkerWrapper(self.worker)
 
     def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
         return [self.worker.handle(command, *args, **kwargs)]

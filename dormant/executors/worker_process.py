@@ -36,10 +36,13 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, on_gpu: bool) -> None:
-    """Joins the process group (NCCL on GPUs, gloo on CPUs) and installs it as the TP group."""
+def init_distributed(
+    rank: int, world_size: int, init_method: str, on_gpu: bool, local_rank: int | None = None
+) -> None:
+    """Joins the process group (NCCL on GPUs, gloo on CPUs) and installs it as the TP group.
+    The process uses GPU ``local_rank`` (default: ``rank``, one host)."""
     if on_gpu:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
     if not dist.is_initialized():
         dist.init_process_group(
             "nccl" if on_gpu else "gloo",
@@ -59,7 +62,7 @@ def worker_main(
     conn: Connection,
     parent_pid: int,
 ) -> None:
-    from dormant.worker.worker import Worker  # after the fork/spawn: nothing imported twice
+    from dormant.worker.worker import create_worker  # after the spawn: nothing imported twice
 
     die_with_parent()
     if os.getppid() != parent_pid:
@@ -67,7 +70,7 @@ def worker_main(
     on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     try:
         init_distributed(rank, world_size, init_method, on_gpu)
-        worker = Worker(config, rank, world_size)
+        worker = create_worker(config, rank, world_size)
     except BaseException as error:
         conn.send(("error", portable(error)))
         return

@@ -11,36 +11,64 @@ replaying against stale addresses.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 
 from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
-from dormant.core.errors import EngineAsleepError
+from dormant.core.sleep_state import RankSleepState
 from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
 from dormant.distributed.parallel_state import all_reduce_min
-from dormant.memory import RUNTIME, WEIGHTS, AuditReport, MemoryManager, MemoryStatus
-from dormant.models import CausalLM, build_model, iterate_safetensors, iterate_safetensors_metadata
+from dormant.memory import (
+    LEVELS,
+    RUNTIME,
+    WEIGHTS,
+    AuditReport,
+    MemoryManager,
+    MemoryStatus,
+    Policy,
+    TagState,
+)
+from dormant.models import CausalLM, build_model
+from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.model_runner import ModelRunner
+from dormant.worker.refit import Refitter, check_awake
+from dormant.worker.refit_record import RefitRecord
 
 DEFAULT_HOST_KV_BYTES = 64 << 20
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1) -> None:
+    """One rank. Inside it, vLLM's worker extensions find what vLLM's workers have:
+    ``self.model_runner.model``, ``self.device``, ``self.rank``, ``self.local_rank``."""
+
+    extension_cls: ClassVar[type | None] = None  # set on classes built by create_worker
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int | None = None,
+    ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
+        self.local_rank = rank if local_rank is None else local_rank
         self.mm = MemoryManager(
-            _device_for(config.device, rank),
+            _device_for(config.device, self.local_rank),
             poison=config.memory_poison,
             strict=config.memory_strict,
         )
+        self.device = self.mm.backend.device
         self._model: CausalLM | None = None
         self._runner: ModelRunner | None = None
+        self.refits = RefitRecord(())  # replaced once the model is built
+        self.refitter = Refitter(config, self.mm, lambda: self.model, rank)
         self._handlers: dict[Command, Callable[..., Any]] = {
             Command.LOAD_MODEL: self.load_model,
             Command.NUM_AVAILABLE_BLOCKS: self.num_available_blocks,
@@ -49,13 +77,20 @@ class Worker:
             Command.EXECUTE_MULTI_STEP: self.execute_multi_step,
             Command.SLEEP: self.sleep,
             Command.WAKE_UP: self.wake_up,
-            Command.RELOAD_WEIGHTS: self.reload_weights,
-            Command.UPDATE_WEIGHTS: self.update_weights,
+            Command.SLEEP_STATE: self.sleep_state,
+            Command.RELOAD_WEIGHTS: self.refitter.reload_weights,
+            Command.UPDATE_WEIGHTS: self.refitter.update_weights,
+            Command.UPDATE_WEIGHTS_FROM_TENSOR: self.refitter.update_weights_from_tensor,
+            Command.INIT_WEIGHTS_UPDATE_GROUP: self.refitter.init_weights_update_group,
+            Command.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.refitter.update_weights_from_distributed,
+            Command.DESTROY_WEIGHTS_UPDATE_GROUP: self.refitter.destroy_weights_update_group,
             Command.MEMORY_STATUS: self.memory_status,
             Command.KV_CACHE_SCALES: self.kv_cache_scales,
             Command.AUDIT: self.audit,
             Command.VERIFY_GUARDS: self.verify_guards,
             Command.CHECK_HEALTH: self.check_health,
+            Command.CALL_EXTENSION: partial(call_extension, self),
+            Command.CALL_FUNCTION: self.call_function,
             Command.SHUTDOWN: self.shutdown,
         }
 
@@ -74,6 +109,22 @@ class Worker:
             raise RuntimeError("the KV cache is not initialised yet")
         return self._runner
 
+    @property
+    def model_runner(self) -> ModelRunner:
+        """vLLM's name: worker extensions reach the model as ``self.model_runner.model``."""
+        return self.runner
+
+    def call_function(
+        self, function: bytes | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``collective_rpc(fn)``: runs ``fn(self, *args, **kwargs)``; ``fn`` arrives pickled by
+        value (cloudpickle) from another process, or as itself in-process."""
+        if isinstance(function, bytes):
+            import cloudpickle
+
+            function = cloudpickle.loads(function)
+        return function(self, *args, **kwargs)
+
     def load_model(self) -> tuple[str, ...]:
         """Builds the model on ``meta``, materialises it into ``weights``/``runtime``, loads it.
 
@@ -85,7 +136,9 @@ class Worker:
         model.init_buffers()
         model.reset_kv_scales()
         self._model = model
-        self._load_weights(self.config.model)
+        self.refits = RefitRecord(model.expected_weight_shapes())
+        model.weight_observer = self.refits
+        self.refitter.load_checkpoint(self.config.model)
         self.mm.guard_addresses("weights", lambda: list(model.parameters()))
         return tuple(model.expected_weight_shapes())
 
@@ -128,36 +181,40 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
-    def sleep(self, level: int | None, tags: dict[str, str] | None = None) -> dict[str, str]:
-        """Puts this rank's memory to sleep at ``level`` (or ``{tag: policy}``); returns the
-        asleep tags and their policies."""
-        if tags is None:
-            self.mm.sleep(level=level)
-        else:
-            self.mm.sleep(tags=tags)
+    def sleep(self, level: int, tags: Sequence[str] | None = None) -> RankSleepState:
+        """Puts this rank's memory to sleep with ``level``'s policies: every tag, or only
+        ``tags``. Discarding the weights marks every weight stale, even if the sleep fails
+        after discarding some of them. Returns the state after the sleep."""
+        policies = dict(LEVELS[level])
+        if tags is not None:
+            policies = {tag: policies[tag] for tag in tags}
+        was_awake = self.mm.tag_states()[WEIGHTS] is TagState.AWAKE
+        try:
+            self.mm.sleep(tags=policies)
+        finally:
+            discards = policies.get(WEIGHTS) is Policy.DISCARD
+            if discards and was_awake and self.mm.tag_states()[WEIGHTS] is not TagState.AWAKE:
+                self.refits.discarded()
         if self.mm.backend.device.type == "cuda":
             torch.cuda.empty_cache()  # hand torch's cached blocks back to the trainer too
-        return self._asleep()
+        return self.sleep_state()
 
-    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, str]:
-        """Wakes ``tags`` (all when None); returns what is still asleep."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> RankSleepState:
+        """Wakes ``tags`` (all when None); returns the state after the wake."""
         self.mm.wake_up(tags)
-        return self._asleep()
+        return self.sleep_state()
 
-    def reload_weights(self, path: str | None = None) -> tuple[str, ...]:
-        """Re-reads the checkpoint (or re-runs the seeded init) into the existing tensors."""
-        self._check_weights_awake("reload_weights")
-        return self._load_weights(path or self.config.model)
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-        """Refits HF-named tensors in place, after validating every name, shape and dtype."""
-        self._check_weights_awake("update_weights")
-        items = list(weights)
-        self.model.check_weights([(name, t.shape, t.dtype) for name, t in items], exact_dtype=True)
-        return tuple(sorted(self.model.load_weights(items)))
+    def sleep_state(self) -> RankSleepState:
+        """This rank's memory state per tag and its stale weights, derived now."""
+        return RankSleepState(
+            tags=tuple(self.mm.tag_states().items()),
+            stale_weights=frozenset(self.refits.stale),
+            num_weights=len(self.refits.names),
+        )
 
     def kv_cache_scales(self) -> list[tuple[float, float]]:
         """Every attention layer's (k_scale, v_scale): calibrated state that must survive sleep."""
+        check_awake(self.mm, "kv_cache_scales", RUNTIME)  # the scales live in runtime memory
         layers = self.model.attention_layers()
         return [(float(a.k_scale), float(a.v_scale)) for a in layers]
 
@@ -180,27 +237,11 @@ class Worker:
             for layer in self._model.attention_layers():
                 layer.kv_cache = None
         self._model, self._runner = None, None
+        self.refitter.groups.destroy_all()
         gc.collect()
         if self.mm.backend.device.type == "cuda":
             torch.cuda.empty_cache()
         self.mm.close()
-
-    def _load_weights(self, path: str | None) -> tuple[str, ...]:
-        model = self.model
-        if self.config.load_format == "dummy":
-            model.init_random_weights(self.config.seed)
-            return tuple(model.expected_weight_shapes())
-        assert path is not None, "a checkpoint path is required unless load_format='dummy'"
-        model.check_weights(list(iterate_safetensors_metadata(path)), require_complete=True)
-        return tuple(sorted(model.load_weights(iterate_safetensors(path))))
-
-    def _check_weights_awake(self, what: str) -> None:
-        """A refit writes parameters (weights) and checkpoint k/v scales (runtime buffers)."""
-        asleep = [tag for tag in (WEIGHTS, RUNTIME) if self.mm.is_sleeping(tag)]
-        if asleep:
-            raise EngineAsleepError(
-                f"{what}: {asleep} asleep; wake_up(['weights']) first, then refit"
-            )
 
     def _activation_bytes(self) -> int:
         """Headroom kept free for activations, logits and the reference attention's scores."""
@@ -211,8 +252,14 @@ class Worker:
         logits = c.max_num_seqs * m.vocab_size * 4 * 4
         return tokens * per_token + scores + logits
 
-    def _asleep(self) -> dict[str, str]:
-        return {tag: policy.value for tag, policy in self.mm.asleep_tags.items()}
+
+def create_worker(
+    config: EngineConfig, rank: int = 0, world_size: int = 1, local_rank: int | None = None
+) -> Worker:
+    """A worker of ``config``'s class: ``Worker``, with ``worker_extension_cls`` mixed in."""
+    qualname = config.worker_extension_cls
+    cls = Worker if qualname is None else extended_worker_class(Worker, qualname)
+    return cls(config, rank, world_size, local_rank)
 
 
 def _device_for(device: str, rank: int) -> str:

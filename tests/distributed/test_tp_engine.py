@@ -270,3 +270,47 @@ def test_tp2_poison_mode_and_abort_and_wait(checkpoints, expected) -> None:
         drained = {o.request_id: o for o in engine.sleep(level=1, mode="wait")}
         assert [drained[str(i)].outputs[0].token_ids for i in ids] == expected["keep"]
         llm.wake_up()
+
+
+def test_tp2_collective_rpc_returns_one_result_per_rank(tp2: LLM, expected) -> None:
+    """Every allowlisted method answers with a list of two results, in rank order."""
+    from dormant.core.commands import PUBLIC_RPC
+    from dormant.core.sleep_state import RankSleepState
+
+    update = list(hf_state_dict(1).items())[:2]
+    args = {"sleep": [1], "update_weights": [update]}
+    for method in PUBLIC_RPC:
+        results = tp2.collective_rpc(method, args=args.get(method, []))
+        assert isinstance(results, list) and len(results) == 2, method
+        if method in ("sleep", "wake_up", "sleep_state"):
+            assert all(isinstance(r, RankSleepState) for r in results), method
+    assert tp2.wake_up() is True
+    assert tokens(tp2) == expected["greedy"]
+
+
+def test_tp2_pause_release_then_sleep_deeper(tp2: LLM, expected) -> None:
+    tp2.sleep(level=0)
+    tp2.release_memory_occupation(["kv_cache"])
+    tp2.sleep(level=2)
+    assert tp2.wake_up(["weights"]) is False
+    tp2.collective_rpc("reload_weights")
+    assert tp2.wake_up(["kv_cache"]) is True
+    assert tokens(tp2) == expected["greedy"]
+
+
+def test_tp2_worker_extension_and_callable(checkpoints, expected) -> None:
+    """An extension's refit and a callable reach both ranks (gloo), results in rank order."""
+    from tests.engine.conftest import hf_state_dict
+
+    with LLM(
+        str(checkpoints[0]),
+        tensor_parallel_size=2,
+        worker_extension_cls="tests.engine.worker_extensions.RefitExtension",
+        **OPTIONS,
+    ) as llm:
+        llm.sleep(level=2)
+        llm.wake_up(["weights"])
+        assert llm.collective_rpc("refit_from_state_dict", args=(hf_state_dict(2),)) == [0, 1]
+        llm.wake_up(["kv_cache"])
+        assert tokens(llm) == expected["greedy_b"]
+        assert llm.collective_rpc(lambda worker: worker.rank * 10) == [0, 10]

@@ -1,0 +1,144 @@
+"""The refit paths of one rank: every one writes through ``model.load_weights``, so the model's
+``RefitRecord`` hears of each write, and of a failure partway (DESIGN §3 invariant 8).
+
+    path                               where the weights come from
+    ─────────────────────────────────  ─────────────────────────────────────────────────────
+    reload_weights(path)               the checkpoint on disk (or the seeded init for dummy)
+    update_weights(pairs)              tensors in this process (host or device; floats cast)
+    update_weights_from_tensor(...)    CUDA IPC handles from another process (SGLang's formats)
+    update_weights_from_distributed    a broadcast over a weight-update group (NCCL / gloo)
+
+Each checks that the memory it writes is awake first, and validates every name, shape and dtype
+before writing any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
+
+import torch
+
+from dormant.core.config import EngineConfig
+from dormant.core.errors import EngineAsleepError
+from dormant.memory import RUNTIME, WEIGHTS, MemoryManager, TagState
+from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
+from dormant.worker import ipc_weights
+from dormant.worker.update_group import DTypeLike, WeightUpdateGroups
+
+# Serialized entries (one per TP rank, or one for all), or named tensors in-process.
+TensorPayload = (
+    ipc_weights.SerializedEntry | Sequence[ipc_weights.SerializedEntry] | ipc_weights.NamedTensors
+)
+
+
+def check_awake(mm: MemoryManager, what: str, *tags: str) -> None:
+    """Raises EngineAsleepError unless every one of ``tags`` is awake: reading or writing
+    memory that is asleep is a segfault on the host and an illegal address on the GPU."""
+    states = mm.tag_states()
+    asleep = [tag for tag in tags if states[tag] is not TagState.AWAKE]
+    if asleep:
+        raise EngineAsleepError(
+            f"{what} needs {asleep} awake; wake_up({asleep}) first (for a refit: "
+            "wake_up(['weights']), then refit)"
+        )
+
+
+class Refitter:
+    """Refits the model of one rank (``tp_rank``) in place; returns the names written."""
+
+    def __init__(
+        self, config: EngineConfig, mm: MemoryManager, model: Callable[[], CausalLM], tp_rank: int
+    ) -> None:
+        self.config, self.mm, self._model, self.tp_rank = config, mm, model, tp_rank
+        device = "cpu" if mm.backend.device.type != "cuda" else mm.backend.device
+        self.groups = WeightUpdateGroups(tp_rank, device=device)
+
+    def reload_weights(self, path: str | None = None) -> tuple[str, ...]:
+        """Re-reads the checkpoint (or re-runs the seeded init) into the existing tensors."""
+        self._check_writable("reload_weights")
+        return self.load_checkpoint(path or self.config.model)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+        """HF-named tensors (floats of any dtype, cast on copy), validated before any write."""
+        self._check_writable("update_weights")
+        return _sorted(ipc_weights.apply_named_tensors(self._model(), list(weights)))
+
+    def update_weights_from_tensor(
+        self, named_tensors: TensorPayload, load_format: str | None = None
+    ) -> tuple[str, ...]:
+        """SGLang's ``update_weights_from_tensor``: this rank's entry of serialized IPC handles
+        (named tensors, or a ``"flattened_bucket"``), or, in-process, the named tensors."""
+        self._check_writable("update_weights_from_tensor")
+        model = self._model()
+        if isinstance(named_tensors, list) and _is_named_tensors(named_tensors):
+            return _sorted(ipc_weights.apply_named_tensors(model, named_tensors))
+        entries = cast(
+            ipc_weights.SerializedEntry | Sequence[ipc_weights.SerializedEntry], named_tensors
+        )
+        names = ipc_weights.update_weights_from_tensor(
+            model, entries, load_format=load_format, tp_rank=self.tp_rank
+        )
+        return _sorted(names)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        self.groups.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[DTypeLike],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+    ) -> tuple[str, ...]:
+        """Receives a broadcast from the trainer (rank 0 of the group) in bounded buckets."""
+        self._check_writable("update_weights_from_distributed")
+        names_written = self.groups.update_weights_from_distributed(
+            self._model(), names, dtypes, shapes, group_name, load_format=load_format
+        )
+        return _sorted(names_written)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self.groups.destroy_weights_update_group(group_name)
+
+    def load_checkpoint(self, path: str | None) -> tuple[str, ...]:
+        model = self._model()
+        if self.config.load_format == "dummy":
+            model.init_random_weights(self.config.seed)
+            return tuple(model.expected_weight_shapes())
+        assert path is not None, "a checkpoint path is required unless load_format='dummy'"
+        model.check_weights(list(iterate_safetensors_metadata(path)), require_complete=True)
+        return _sorted(model.load_weights(iterate_safetensors(path)))
+
+    def _check_writable(self, what: str) -> None:
+        """A refit writes parameters (weights) and checkpoint k/v scales (runtime buffers)."""
+        check_awake(self.mm, what, WEIGHTS, RUNTIME)
+
+
+def _sorted(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(sorted(names))
+
+
+def _is_named_tensors(value: object) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(
+            isinstance(item, tuple | list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+            for item in value
+        )
+    )
