@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_device(args.device)
     try:
         from dormant.server import ServerSettings, build_app, uvicorn_config
-        from dormant.server.app import bind_socket
+        from dormant.server.app import StoppableServer, bind_socket
     except ImportError as error:
         raise UsageError(
             f"the server needs its extra dependencies ({error.name} is missing): "
@@ -141,9 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine.shutdown()
         sock.close()
         raise UsageError(str(error)) from error
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn_config(build_app(engine, settings), settings))
+    server = StoppableServer(uvicorn_config(build_app(engine, settings), settings))
     host, port = sock.getsockname()[:2]
     print(f"dormant: serving {args.model} on http://{host}:{port}/v1", flush=True)
     try:

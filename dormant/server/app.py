@@ -170,6 +170,20 @@ def uvicorn_config(app: FastAPI, settings: ServerSettings, sock: socket.socket |
     return config
 
 
+class StoppableServer(uvicorn.Server):
+    """uvicorn's server, except that a SIGINT or SIGTERM that stopped it gracefully is not
+    raised again afterwards (uvicorn re-raises it, which would end the process with the
+    signal's status instead of returning, so the engine could not shut down cleanly)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Binds before the model loads, so a busy port is reported at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -180,6 +194,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
+    sock.listen(128)  # connections wait in the backlog until uvicorn serves them
     sock.set_inheritable(True)
     return sock
 
@@ -190,7 +205,7 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, settings: ServerSettings) -> None:
         self.sock = bind_socket(settings.host, settings.port)
-        self.server = uvicorn.Server(uvicorn_config(app, settings))
+        self.server = StoppableServer(uvicorn_config(app, settings))
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         self._thread: Any = None

@@ -234,3 +234,26 @@ def test_refit_routes_the_engine_lacks_answer_501(server) -> None:
         assert f"LLM.{name}()" in reply.json()["error"]["message"]
     if not hasattr(engine_llm, "get_weight_version"):
         assert server.get("/get_weight_version").status_code == 501
+
+
+def test_idle_sleep_and_auto_wake(start_server) -> None:
+    import time
+
+    server = start_server(sleep_idle_ttl_s=0.5, auto_wake=True)
+    assert complete(server, PROMPTS[0]).status_code == 200
+    for _ in range(100):
+        if server.get("/is_sleeping").json()["is_sleeping"]:
+            break
+        time.sleep(0.05)
+    assert server.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert complete(server, PROMPTS[0]).status_code == 200  # woke for it
+    assert 'dormant_auto_wakes_total{model_name="tiny"} 1.0' in server.get("/metrics").text
+
+
+def test_without_the_flags_an_idle_server_stays_awake_and_asleep_refuses(server) -> None:
+    import time
+
+    time.sleep(1.0)
+    assert server.get("/is_sleeping").json() == {"is_sleeping": False}
+    server.post("/sleep?level=1")
+    assert complete(server, PROMPTS[0]).status_code == 503
