@@ -14,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from tests.server.conftest import GREEDY, PROMPTS
