@@ -46,6 +46,8 @@ PROMPTS = [
     "Sleep, then wake bit-exact.",
     "Graphs keep their addresses.",
 ]
+# As token ids (UTF-8 bytes): the checkpoint written for the fresh engine has no tokenizer.
+PROMPT_IDS = [{"prompt_token_ids": list(p.encode())} for p in PROMPTS]
 PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, ignore_eos=True)
 
 
@@ -115,7 +117,7 @@ def run_demo(device: str, level: int, size: str | None, png: str) -> int:
     timeline.mark("loaded", status)
     torch_device = torch.device("cuda" if on_gpu else "cpu")
 
-    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPT_IDS, PARAMS, use_tqdm=False)]
     awake = llm.memory_status()[0]
     llm.sleep(level=1)
     asleep = llm.memory_status()[0]
@@ -125,7 +127,9 @@ def run_demo(device: str, level: int, size: str | None, png: str) -> int:
     timeline.mark("wake_up()", woken)
     steps.append(("sleep(level=1)", awake, asleep, asleep.last_sleep))
     steps.append(("wake_up()", asleep, woken, woken.last_wake))
-    same = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == first
+    same = [
+        o.outputs[0].token_ids for o in llm.generate(PROMPT_IDS, PARAMS, use_tqdm=False)
+    ] == first
 
     before = llm.memory_status()[0]
     llm.sleep(level=level)
@@ -154,14 +158,18 @@ def run_demo(device: str, level: int, size: str | None, png: str) -> int:
     after_kv = llm.memory_status()[0]
     timeline.mark("wake kv_cache", after_kv)
     steps.append(('wake_up(["kv_cache"])', after_weights, after_kv, after_kv.last_wake))
-    refit_tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    refit_tokens = [
+        o.outputs[0].token_ids for o in llm.generate(PROMPT_IDS, PARAMS, use_tqdm=False)
+    ]
     llm.shutdown()  # frees its memory: the fresh engine below gets the same device
 
     with tempfile.TemporaryDirectory() as checkpoint:
         Path(checkpoint, "config.json").write_text(json.dumps(raw))
         save_file(new_weights, str(Path(checkpoint, "model.safetensors")))
-        fresh = LLM(checkpoint, seed=0, **options)
-        fresh_tokens = [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, PARAMS)]
+        fresh = LLM(checkpoint, seed=0, skip_tokenizer_init=True, **options)
+        fresh_tokens = [
+            o.outputs[0].token_ids for o in fresh.generate(PROMPT_IDS, PARAMS, use_tqdm=False)
+        ]
         fresh.shutdown()
 
     weight_bytes = sum(t.numel() * t.element_size() for t in new_weights.values())
