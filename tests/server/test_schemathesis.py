@@ -24,7 +24,7 @@ STATE_CHANGING = [
 
 @pytest.fixture(scope="module")
 def api(model_dir):
-    engine = AsyncLLM(str(model_dir), enable_sleep_mode=True, **OPTIONS)
+    engine = AsyncLLM(str(model_dir), enable_sleep_mode=True, **{**OPTIONS, "max_model_len": 48})
     config = ServerSettings(served_model_names=("tiny",), port=0)
     thread = ServerThread(build_app(engine, config), config).start()
     try:
@@ -40,6 +40,6 @@ schema = schemathesis.pytest.from_fixture("api")
 
 
 @schema.parametrize()
-@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_generated_request_gets_a_5xx(case) -> None:
     case.call_and_validate(checks=[not_a_server_error], timeout=30)
