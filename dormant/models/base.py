@@ -56,6 +56,7 @@ class CausalLM(nn.Module, ABC):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.weight_observer: WeightWriteObserver | None = None
+        self._weight_table: dict[str, weight_io.WeightTarget] | None = None
 
     @classmethod
     @abstractmethod
@@ -88,10 +89,21 @@ class CausalLM(nn.Module, ABC):
         for layer in self.attention_layers():
             layer.reset_kv_scales()
 
+    def weight_table(self) -> dict[str, weight_io.WeightTarget]:
+        """Checkpoint name → where it lands. Kept once no target is on the meta device:
+        materialising swaps parameter data in place (identity kept) and replaces buffers once,
+        before any load; after that the table never changes."""
+        table = self._weight_table
+        if table is None:
+            table = weight_io.weight_targets(self, self.packed_modules_mapping)
+            if not any(target.tensor.is_meta for target in table.values()):
+                self._weight_table = table
+        return table
+
     def expected_weight_shapes(self) -> dict[str, torch.Size]:
         """Checkpoint name → full (unsharded) shape of every tensor a complete checkpoint
         provides, in module order; the optional k/v scales are not listed."""
-        return weight_io.expected_weight_shapes(self, self.packed_modules_mapping)
+        return weight_io.expected_weight_shapes(self.weight_table())
 
     def check_weights(
         self,
@@ -107,8 +119,7 @@ class CausalLM(nn.Module, ABC):
         ``exact_dtype``, which requires each tensor's dtype to equal its target's.
         """
         weight_io.check_weights(
-            self,
-            self.packed_modules_mapping,
+            self.weight_table(),
             self.config.tie_word_embeddings,
             items,
             require_complete,
@@ -123,7 +134,7 @@ class CausalLM(nn.Module, ABC):
         observer = self.weight_observer
         try:
             names = weight_io.load_weights(
-                self, self.packed_modules_mapping, self.config.tie_word_embeddings, weights
+                self.weight_table(), self.config.tie_word_embeddings, weights
             )
         except BaseException:
             if observer is not None:
@@ -136,6 +147,6 @@ class CausalLM(nn.Module, ABC):
     def init_random_weights(self, seed: int) -> None:
         """Deterministic in-place init: N(0, 0.02) matrices/embeddings, ones for norm
         weights, zeros for biases; identical across TP sizes. Writes every weight."""
-        weight_io.init_random_weights(self, self.packed_modules_mapping, seed)
+        weight_io.init_random_weights(self.weight_table(), seed)
         if self.weight_observer is not None:
             self.weight_observer.written(self.expected_weight_shapes())

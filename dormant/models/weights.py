@@ -2,8 +2,9 @@
 
 Every accepted checkpoint name has a ``WeightTarget``: the tensor it lands in, the shard id
 (for packed parameters such as ``qkv_proj``), the owning layer's loader, and the full
-(unsharded) shape the checkpoint must have. The table is rebuilt on each call, from the live
-modules, so it always refers to the current (possibly re-materialized) tensors.
+(unsharded) shape the checkpoint must have. ``weight_targets`` builds the table from the live
+modules; ``CausalLM`` keeps it once the model is materialised (building it costs milliseconds,
+which a refit of one tensor at a time would pay per tensor).
 """
 
 from __future__ import annotations
@@ -137,15 +138,13 @@ def item_problem(
 
 
 def check_weights(
-    model: nn.Module,
-    packed: PackedMapping,
+    table: Mapping[str, WeightTarget],
     is_tied: bool,
     items: Sequence[tuple[str, torch.Size, torch.dtype]],
     require_complete: bool,
     exact_dtype: bool = False,
 ) -> None:
     """Raises ``WeightError`` listing every bad entry; writes nothing."""
-    table = weight_targets(model, packed)
     problems: list[str] = []
     seen: set[str] = set()
     for name, shape, dtype in items:
@@ -166,14 +165,13 @@ def check_weights(
 
 @torch.no_grad()
 def load_weights(
-    model: nn.Module, packed: PackedMapping, is_tied: bool, weights: Iterable[tuple[str, Tensor]]
+    table: Mapping[str, WeightTarget], is_tied: bool, weights: Iterable[tuple[str, Tensor]]
 ) -> set[str]:
     """Writes each tensor in place through its loader; returns the names written.
 
     Each entry is checked before it is written; a bad entry raises ``WeightError``, and the
     entries before it stay written (use ``check_weights`` first to reject a whole checkpoint).
     """
-    table = weight_targets(model, packed)
     written: set[str] = set()
     for name, tensor in weights:
         if is_ignored(name, is_tied):
@@ -191,23 +189,21 @@ def load_weights(
     return written
 
 
-def expected_weight_shapes(model: nn.Module, packed: PackedMapping) -> dict[str, torch.Size]:
+def expected_weight_shapes(table: Mapping[str, WeightTarget]) -> dict[str, torch.Size]:
     """Name → full shape of every tensor a complete checkpoint provides (k/v scales, being
     optional, are not listed)."""
-    table = weight_targets(model, packed)
     return {n: t.full_shape for n, t in table.items() if t.kind is not WeightKind.SCALE}
 
 
 @torch.no_grad()
-def init_random_weights(model: nn.Module, packed: PackedMapping, seed: int) -> None:
+def init_random_weights(table: Mapping[str, WeightTarget], seed: int) -> None:
     """Fills every parameter in place: N(0, 0.02) matrices, ones for norms, zeros for biases.
 
     Full checkpoint-shaped tensors are drawn in a fixed order from one generator on the
     parameters' device, then sharded by the loaders: every TP rank draws the same numbers,
     so a sharded model equals the unsharded one. k/v scales are left alone.
     """
-    table = weight_targets(model, packed)
-    device = next(model.parameters()).device
+    device = next(iter(table.values())).tensor.device
     if device.type == "meta":
         raise RuntimeError("the model is on the meta device; materialize it before initializing")
     generator = torch.Generator(device=device)
