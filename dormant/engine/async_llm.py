@@ -296,6 +296,10 @@ class AsyncLLM:
         """Requests being generated or held (read without the loop: an instant's count)."""
         return len(self._tracked) + len(self._held)
 
+    async def asleep_tags(self) -> tuple[str, ...]:
+        """Tags asleep (or in between) on any rank."""
+        return await self._call(lambda: self.engine.sleep_control.asleep_tags)
+
     async def memory_status(self) -> list[Any]:
         return await self._call(self.llm.memory_status)
 

@@ -110,12 +110,10 @@ async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> dict[s
         )
     engine = _serving(request).engine
     tag = RPC_OVER_HTTP[body.method]
-    if tag is not None:
-        asleep = await engine.call(lambda: engine.engine.sleep_control.asleep_tags)
-        if tag in asleep:
-            raise EngineAsleepError(
-                f"{body.method} reads the {tag!r} memory, which is asleep; wake_up() first"
-            )
+    if tag is not None and tag in await engine.asleep_tags():
+        raise EngineAsleepError(
+            f"{body.method} reads the {tag!r} memory, which is asleep; wake_up() first"
+        )
     results = await engine.collective_rpc(body.method, body.args, body.kwargs)
     return {"results": jsonable(results)}
 

@@ -179,6 +179,8 @@ class SecurityMiddleware:
             nonlocal received, deadline
             if deadline is None:
                 deadline = time.monotonic() + timeout
+            if deadline == float("inf"):
+                return await receive()
             remaining = max(deadline - time.monotonic(), 0.001)
             try:
                 message = await asyncio.wait_for(receive(), remaining)

@@ -107,6 +107,12 @@ class Serving:
         return requested
 
     async def chat_prompt(self, messages: list[dict[str, str]]) -> Prepared:
+        num_chars = sum(len(m.get("content", "")) for m in messages)
+        if num_chars > self.max_prompt_chars:
+            raise BadRequestError(
+                f"the messages have {num_chars} characters, more than this server accepts "
+                f"({self.max_prompt_chars}); the context holds {self.max_model_len} tokens"
+            )
         tokenizer = self.tokenizer()
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(
