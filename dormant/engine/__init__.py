@@ -5,28 +5,53 @@ from dormant.core.errors import (
     EngineAsleepError,
     EngineDeadError,
     EngineError,
+    InvalidSamplingParamsError,
+    RankStateMismatchError,
     SleepLevelConflictError,
     SleepModeDisabledError,
     UnknownRpcMethodError,
+    UnsupportedOptionError,
+    UnsupportedSamplingParamsError,
     WeightsNotLoadedError,
 )
 from dormant.core.sampling_params import SamplingParams
+from dormant.engine.block_manager import BlockManagerError
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import CompletionOutput, RequestOutput
+from dormant.engine.scheduler import RequestTooLongError, SchedulerError
+from dormant.engine.sequence import SequenceFinishedError
+from dormant.engine.tokenizer import TokenizerError
+from dormant.models.errors import UnsupportedModelError, WeightError
+from dormant.worker.extension import WorkerExtensionError
+from dormant.worker.transfer_errors import UpdateGroupError, WeightTransferError
 
 __all__ = [
     "LLM",
+    "BlockManagerError",
     "CompletionOutput",
     "EngineAsleepError",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
+    "InvalidSamplingParamsError",
     "LLMEngine",
+    "RankStateMismatchError",
     "RequestOutput",
+    "RequestTooLongError",
     "SamplingParams",
+    "SchedulerError",
+    "SequenceFinishedError",
     "SleepLevelConflictError",
     "SleepModeDisabledError",
+    "TokenizerError",
     "UnknownRpcMethodError",
+    "UnsupportedModelError",
+    "UnsupportedOptionError",
+    "UnsupportedSamplingParamsError",
+    "UpdateGroupError",
+    "WeightError",
+    "WeightTransferError",
     "WeightsNotLoadedError",
+    "WorkerExtensionError",
 ]

@@ -19,9 +19,10 @@ from collections import deque
 from collections.abc import Iterable
 
 from dormant.engine.sequence import Sequence
+from dormant.errors import EngineError
 
 
-class BlockManagerError(RuntimeError):
+class BlockManagerError(EngineError):
     """Base class for misuse of the block manager."""
 
 

@@ -33,9 +33,10 @@ from collections.abc import Callable, Iterable
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
+from dormant.errors import EngineError
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(EngineError):
     """Base class for misuse of the scheduler."""
 
 
@@ -139,10 +140,6 @@ class Scheduler:
             )
         self._batch_in_flight = batch
         return batch
-
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
-        """``postprocess_steps`` for a one-step batch: ``token_ids[i]`` is for ``seqs[i]``."""
-        return self.postprocess_steps(batch, [[token_id] for token_id in token_ids])
 
     def postprocess_steps(
         self,

@@ -9,6 +9,7 @@ import random
 from collections.abc import Iterable
 
 from dormant.core.sampling_params import SamplingParams
+from dormant.errors import EngineError
 
 # Seeds drawn for unseeded requests are uniform over the 64-bit range the sampler hashes.
 _NUM_SEED_BITS = 64
@@ -136,7 +137,7 @@ class Sequence:
         self.fork_source = None  # never keep a finished source alive through its forks
 
 
-class SequenceFinishedError(RuntimeError):
+class SequenceFinishedError(EngineError):
     """An operation needs an unfinished sequence but got a finished one."""
 
 

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from dormant.errors import EngineError
+
 _NUM_BYTE_IDS = 256
 # Any one of these in a model directory means it ships a tokenizer.
 _TOKENIZER_FILES = (
@@ -34,7 +36,7 @@ _MIN_PRIMING_TOKENS, _MAX_PRIMING_TOKENS = 4, 24
 _REPLACEMENT_CHARACTER = "\ufffd"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(EngineError, ValueError):
     """A tokenizer cannot be loaded, or does not fit the model's vocabulary."""
 
 

@@ -10,6 +10,7 @@ from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import FinishReason, Sequence, SequenceFactory
+from tests.engine.scheduler_helpers import postprocess
 
 EOS = 0
 FILLER = 7
@@ -34,7 +35,7 @@ def add(scheduler: Scheduler, factory: SequenceFactory, num_tokens: int, **param
 def prefill(scheduler: Scheduler) -> None:
     batch = scheduler.schedule()
     assert batch is not None and batch.is_prefill and batch.num_steps == 1
-    scheduler.postprocess(batch, [FILLER] * batch.num_seqs)
+    postprocess(scheduler, batch, [FILLER] * batch.num_seqs)
 
 
 def test_greedy_decode_runs_several_steps_with_blocks_for_all_of_them() -> None:
@@ -105,5 +106,5 @@ def test_postprocess_steps_checks_the_shape() -> None:
     batch = scheduler.schedule()
     assert batch is not None and batch.num_steps == STEPS
     with pytest.raises(ValueError, match=r"\[1\] steps, for a batch of 1 sequences of 4 steps"):
-        scheduler.postprocess(batch, [FILLER])
+        postprocess(scheduler, batch, [FILLER])
     scheduler.postprocess_steps(batch, [[FILLER] * STEPS])  # nothing changed: still in flight

@@ -16,6 +16,7 @@ from dormant.engine.scheduler import (
     SchedulerError,
 )
 from dormant.engine.sequence import FinishReason, Sequence, SequenceFactory, SequenceStatus
+from tests.engine.scheduler_helpers import postprocess
 
 EOS = 0
 FILLER = 7  # a token that never stops anything
@@ -47,7 +48,7 @@ def step(scheduler: Scheduler, token_id: int = FILLER) -> tuple[ScheduledBatch, 
     for seq in batch.seqs:
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * scheduler.block_manager.block_size >= seq.num_tokens
-    return batch, scheduler.postprocess(batch, [token_id] * batch.num_seqs)
+    return batch, postprocess(scheduler, batch, [token_id] * batch.num_seqs)
 
 
 def all_seqs_hold_consistent_blocks(scheduler: Scheduler, seqs: list[Sequence]) -> None:
@@ -77,7 +78,7 @@ def test_prefill_then_decode() -> None:
     batch = scheduler.schedule()
     assert batch is not None and not batch.is_prefill and batch.seqs == (a, b)
     assert batch.num_scheduled_tokens == 2
-    scheduler.postprocess(batch, [FILLER, FILLER])
+    postprocess(scheduler, batch, [FILLER, FILLER])
     assert (a.num_computed_tokens, a.num_tokens) == (6, 7)
 
 
@@ -255,7 +256,7 @@ def test_preempted_sequence_recomputes_all_its_tokens() -> None:
     batch = scheduler.schedule()
     assert batch is not None and batch.is_prefill and batch.seqs == (c,)
     assert batch.num_scheduled_tokens == 3  # prompt + the kept output token
-    scheduler.postprocess(batch, [FILLER])
+    postprocess(scheduler, batch, [FILLER])
     while scheduler.has_unfinished:
         step(scheduler)
     assert c.num_output_tokens == 4
@@ -293,7 +294,7 @@ def test_postprocess_skips_sequences_aborted_after_schedule() -> None:
     batch = scheduler.schedule()
     assert batch is not None
     scheduler.abort([a.seq_id])
-    assert scheduler.postprocess(batch, [FILLER, FILLER]) == [b]
+    assert postprocess(scheduler, batch, [FILLER, FILLER]) == [b]
     assert a.output_token_ids == [] and a.finish_reason is FinishReason.ABORT
 
 
@@ -303,7 +304,7 @@ def test_postprocess_checks_token_count() -> None:
     batch = scheduler.schedule()
     assert batch is not None
     with pytest.raises(ValueError, match=r"for 2 sequences .* batch of 1 sequences"):
-        scheduler.postprocess(batch, [FILLER, FILLER])
+        postprocess(scheduler, batch, [FILLER, FILLER])
 
 
 def test_preempt_all_frees_every_block_and_resumes_in_order() -> None:
@@ -320,7 +321,7 @@ def test_preempt_all_frees_every_block_and_resumes_in_order() -> None:
     batch = scheduler.schedule()
     assert batch is not None and batch.is_prefill and batch.seqs == (a, b)
     assert batch.num_scheduled_tokens == 10
-    scheduler.postprocess(batch, [FILLER, FILLER])
+    postprocess(scheduler, batch, [FILLER, FILLER])
     while scheduler.has_unfinished:
         step(scheduler)
     assert [s.num_output_tokens for s in (a, b, c)] == [3, 3, 3]
@@ -333,7 +334,7 @@ def test_postprocess_after_preempt_all_raises() -> None:
     assert batch is not None
     scheduler.preempt_all()
     with pytest.raises(SchedulerError, match="discarded"):
-        scheduler.postprocess(batch, [FILLER])
+        postprocess(scheduler, batch, [FILLER])
     assert seq.output_token_ids == []
     batch = scheduler.schedule()  # the discarded step is simply redone
     assert batch is not None and batch.seqs == (seq,) and batch.num_scheduled_tokens == 2
@@ -346,9 +347,9 @@ def test_one_batch_in_flight_at_a_time() -> None:
     assert batch is not None
     with pytest.raises(SchedulerError, match="still in flight"):
         scheduler.schedule()
-    scheduler.postprocess(batch, [FILLER])
+    postprocess(scheduler, batch, [FILLER])
     with pytest.raises(SchedulerError, match="postprocessed already"):
-        scheduler.postprocess(batch, [FILLER])
+        postprocess(scheduler, batch, [FILLER])
     assert seq.output_token_ids == [FILLER]
 
 
@@ -374,7 +375,7 @@ def test_random_workload_runs_to_completion() -> None:
             continue
         assert batch.num_seqs <= 5 and batch.num_scheduled_tokens <= 24
         tokens = [EOS if rng.random() < 0.03 else FILLER for _ in batch.seqs]
-        scheduler.postprocess(batch, tokens)
+        postprocess(scheduler, batch, tokens)
         all_seqs_hold_consistent_blocks(scheduler, seqs)
     else:
         pytest.fail("the workload did not drain in 2000 steps")
