@@ -104,4 +104,3 @@ def test_the_memory_layer_imports_nothing_else_of_dormant() -> None:
         if not dep.startswith("dormant.memory")
     ]
     assert not outside, "\n".join(outside)
-

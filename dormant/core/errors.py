@@ -6,7 +6,6 @@ from dormant.errors import EngineError  # the root; dormant.engine re-exports it
 from dormant.memory.errors import SleepConflictError
 
 
-
 class EngineAsleepError(EngineError):
     """A call needs memory (or scheduling) that is asleep."""
 

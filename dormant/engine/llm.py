@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -209,8 +209,8 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(p, int) for p in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [cast(list[int], items)]  # one prompt given as token ids
+    return cast(list[Prompt], items)
 
 
 def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int) -> Any:

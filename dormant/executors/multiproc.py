@@ -14,7 +14,7 @@ import os
 import socket
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
@@ -94,7 +94,7 @@ class MultiprocExecutor:
                     continue
                 rank = next(r for r, c in pending.items() if c is item)
                 try:
-                    status, value = item.recv()
+                    status, value = cast(Connection, item).recv()
                 except (EOFError, OSError) as error:  # closed, or reset by a dying worker
                     self._die(f"worker rank {rank} is gone ({type(error).__name__})")
                 del pending[rank]

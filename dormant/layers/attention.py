@@ -116,6 +116,9 @@ def paged_attention_reference(
 
 
 class PagedAttention(nn.Module):
+    k_scale: Tensor  # buffers: calibrated state, kept in runtime memory
+    v_scale: Tensor
+
     """Writes this step's keys/values into the layer's KV cache, then attends over it.
 
     Buffers ``k_scale``/``v_scale`` (float32, shape ``[]``, persistent): fp8 cache scales,
@@ -144,7 +147,7 @@ class PagedAttention(nn.Module):
         self.k_scale.fill_(1.0)
         self.v_scale.fill_(1.0)
 
-    def _checked_cache(self) -> Tensor:
+    def checked_cache(self) -> Tensor:
         cache = self.kv_cache
         if cache is None:
             raise KVCacheNotSetError(
@@ -164,7 +167,7 @@ class PagedAttention(nn.Module):
         ``[num_tokens, num_kv_heads * head_dim]`` → ``[num_tokens, num_heads * head_dim]``.
         Runs inside ``forward_context``."""
         meta = get_attention_metadata()
-        cache = self._checked_cache()
+        cache = self.checked_cache()
         num_tokens = q.shape[0]
         kv_shape = (num_tokens, self.num_kv_heads, self.head_dim)
         write = triton_write_kv_cache if _use_triton_write(cache) else write_kv_cache

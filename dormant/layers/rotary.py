@@ -42,6 +42,8 @@ class Llama3RopeScaling:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: Tensor  # a buffer (runtime memory under the engine)
+
     """Applies rotary embeddings to q and k at given positions.
 
     Buffer ``cos_sin_cache``: float32 ``[max_position_embeddings, head_dim]``, row p is

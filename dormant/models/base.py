@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from dormant.layers.embedding import ParallelLMHead
 from dormant.layers.rotary import RotaryEmbedding
 from dormant.models import weights as weight_io
 from dormant.models.config import ModelConfig
-from dormant.models.decoder import DecoderModel, DecoderSpec
+from dormant.models.decoder import DecoderLayer, DecoderModel, DecoderSpec
 
 
 class WeightWriteObserver(Protocol):
@@ -75,7 +75,7 @@ class CausalLM(nn.Module, ABC):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The attention layers in layer order (one KV cache each)."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [cast(DecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
     def init_buffers(self) -> None:
         """Recomputes every derived buffer in place. k/v scales are calibrated state and are

@@ -68,7 +68,7 @@ def _load_scale(param: Tensor, loaded_weight: Tensor, shard_id: ShardId | None =
 def weight_targets(model: nn.Module, packed: PackedMapping) -> dict[str, WeightTarget]:
     """All checkpoint names ``model`` accepts, in module order. A tied parameter appears once,
     under its first name."""
-    unpacked: dict[str, list[tuple[str, ShardId]]] = {}
+    unpacked: dict[str, list[tuple[str, ShardId | None]]] = {}
     for checkpoint_name, (our_name, shard_id) in packed.items():
         unpacked.setdefault(our_name, []).append((checkpoint_name, shard_id))
     table: dict[str, WeightTarget] = {}

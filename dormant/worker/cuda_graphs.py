@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
 
 import torch
 
@@ -68,16 +70,14 @@ class DecodeGraphs:
         """Captures every batch size, largest first (smaller graphs reuse the pool's memory)."""
         self.inputs.fill_padding()
         for bs in reversed(self.batch_sizes):
-            self.full[bs] = self._capture(lambda bs=bs: self._forward(bs))
+            self.full[bs] = self._capture(partial(self._forward, bs))
             if self.num_steps > 1:
                 shapes = [
                     ((self.num_steps, bs), torch.int64),
                     ((self.num_steps, bs, packed_width(self.num_top_logprobs)), torch.int32),
                 ]
                 tokens, logprobs = self.mm.empty_many(shapes, RUNTIME)
-                captured = self._capture(
-                    lambda bs=bs, t=tokens, lp=logprobs: self._steps(bs, t, lp)
-                )
+                captured = self._capture(partial(self._steps, bs, tokens, logprobs))
                 self.multi_step[bs] = CapturedGraph(captured.graph, tokens, logprobs)
         torch.cuda.synchronize()
 
@@ -89,7 +89,8 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         self.inputs.fill_padding()  # the warm-up advanced the multi-step inputs
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mm.graph_pool().id):
+        pool = cast(Any, self.mm.graph_pool().id)  # torch types the handle loosely
+        with torch.cuda.graph(graph, pool=pool):
             output = body()
         self.inputs.fill_padding()
         return CapturedGraph(graph, output)

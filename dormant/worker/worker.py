@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -122,7 +122,7 @@ class Worker:
         if isinstance(function, bytes):
             import cloudpickle
 
-            function = cloudpickle.loads(function)
+            function = cast(Callable[..., Any], cloudpickle.loads(function))
         return function(self, *args, **kwargs)
 
     def load_model(self) -> tuple[str, ...]:
@@ -168,7 +168,9 @@ class Worker:
         model = self.model
         allocate_kv_cache(self.mm, model, kv_cache_spec(model, self.config), num_blocks + 1)
         self._runner = ModelRunner(self.config, model, self.mm, null_block=num_blocks)
-        self.mm.guard_addresses("kv_cache", lambda: [a.kv_cache for a in model.attention_layers()])
+        self.mm.guard_addresses(
+            "kv_cache", lambda: [a.checked_cache() for a in model.attention_layers()]
+        )
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_graphs()
