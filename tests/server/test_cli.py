@@ -101,3 +101,18 @@ def test_dormant_serve_end_to_end(model_dir: Path, stop_signal: str) -> None:
         process.send_signal(getattr(signal, stop_signal))
         assert process.wait(timeout=60) == 0
     assert "Traceback" not in process.stderr.read()
+
+
+def test_import_and_the_demo_parser_need_no_server_dependencies() -> None:
+    """``import dormant`` and ``dormant demo`` work without the serve extra."""
+    code = (
+        "import sys\n"
+        "for name in ('fastapi', 'uvicorn', 'prometheus_client', 'starlette'):\n"
+        "    sys.modules[name] = None\n"
+        "import dormant, dormant.cli\n"
+        "from dormant import LLM\n"
+        "dormant.cli.build_parser().parse_args(['demo', '--device', 'cpu'])\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
