@@ -1,13 +1,13 @@
 """dormant: a sleep-mode LLM inference engine.
 
 ``dormant.memory`` is the tagged, sleepable memory layer (usable by any PyTorch engine);
-``dormant.engine`` is the vLLM-style engine on top of it. ``LLM`` and ``SamplingParams`` are
-importable from here.
+``dormant.engine`` is the vLLM-style engine on top of it. ``LLM``, ``AsyncLLM`` and
+``SamplingParams`` are importable from here.
 """
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:  # the engine is imported only when asked for

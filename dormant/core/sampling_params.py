@@ -9,11 +9,21 @@ the engine's limits, on the copy it takes when a request is added, before anythi
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from dormant.core.errors import InvalidSamplingParamsError, UnsupportedSamplingParamsError
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``RequestOutputKind``: what each output ``AsyncLLM.generate`` yields holds."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finished
+
 
 # Temperatures below this are treated as greedy, as in vLLM (``_SAMPLING_EPS``): dividing logits
 # by a vanishing temperature overflows float32 without changing which token wins.
@@ -87,6 +97,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Any = None
     guided_decoding: Any = None
     logits_processors: Any = None
@@ -172,6 +183,10 @@ class SamplingParams:
                 "spaces_between_special_tokens=False with skip_special_tokens=False is not "
                 "supported: dormant's detokenizer (tokenizers' DecodeStream) keeps the "
                 "tokenizer's own spacing; leave spaces_between_special_tokens=True"
+            )
+        if self.output_kind not in tuple(RequestOutputKind):
+            raise InvalidSamplingParamsError(
+                f"output_kind must be a RequestOutputKind (0, 1, 2), got {self.output_kind!r}"
             )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise InvalidSamplingParamsError(

@@ -14,7 +14,8 @@ from dormant.core.errors import (
     UnsupportedSamplingParamsError,
     WeightsNotLoadedError,
 )
-from dormant.core.sampling_params import SamplingParams
+from dormant.core.sampling_params import RequestOutputKind, SamplingParams
+from dormant.engine.async_llm import AsyncLLM
 from dormant.engine.block_manager import BlockManagerError
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
@@ -28,6 +29,7 @@ from dormant.worker.transfer_errors import UpdateGroupError, WeightTransferError
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "BlockManagerError",
     "CompletionOutput",
     "EngineAsleepError",
@@ -38,6 +40,7 @@ __all__ = [
     "LLMEngine",
     "RankStateMismatchError",
     "RequestOutput",
+    "RequestOutputKind",
     "RequestTooLongError",
     "SamplingParams",
     "SchedulerError",

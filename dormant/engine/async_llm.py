@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import queue
 import threading
 import uuid
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from dormant.core.errors import EngineAsleepError, EngineDeadError
-from dormant.core.sampling_params import SamplingParams
+from dormant.core.sampling_params import RequestOutputKind, SamplingParams
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
@@ -54,14 +53,6 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 Listener = Callable[[RequestOutput | BaseException], None]
 REFIT_POLICIES = ("wait", "abort")
 _REPLACEMENT = "\ufffd"
-
-
-class RequestOutputKind(enum.IntEnum):
-    """vLLM's ``RequestOutputKind``: what each yielded output holds."""
-
-    CUMULATIVE = 0  # everything so far
-    DELTA = 1  # only what is new since the last output
-    FINAL_ONLY = 2  # one output, when the request finished
 
 
 class _Deferred:
@@ -92,7 +83,6 @@ class AsyncLLM:
         self.refit_policy = refit_policy
         self.llm = model if isinstance(model, LLM) else LLM(model, **options)
         self.engine: LLMEngine = self.llm.llm_engine
-        self.weight_version = "default"  # SGLang's default name; set by refits that give one
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -261,12 +251,17 @@ class AsyncLLM:
             self._abort_engine_ids(self._ids_with_tokens() if policy == "wait" else None)
             result = write()
             if weight_version is not None:
-                self.weight_version = weight_version
+                self.engine.refits.weight_version = weight_version
             return result
 
         return await self._settled(policy, apply)
 
     # ── state, for servers and metrics ───────────────────────────────────────────────────────
+
+    @property
+    def weight_version(self) -> str:
+        """The served weights' version: the engine's one record (``LLM.get_weight_version``)."""
+        return self.engine.refits.weight_version
 
     @property
     def tokenizer(self) -> Any:
@@ -518,8 +513,7 @@ class AsyncLLM:
 
 
 def _kind_of(params: SamplingParams) -> RequestOutputKind:
-    kind = getattr(params, "output_kind", None)
-    return RequestOutputKind.CUMULATIVE if kind is None else RequestOutputKind(int(kind))
+    return RequestOutputKind(int(params.output_kind))
 
 
 def _engine_prompt(prompt: Prompt) -> str | list[int]:

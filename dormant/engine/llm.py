@@ -183,8 +183,8 @@ class LLM:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.llm_engine.refits.destroy_weights_update_group(group_name)
 
-    def get_weight_version(self) -> str | None:
-        """The version the last successful refit was given (SGLang's), or None."""
+    def get_weight_version(self) -> str:
+        """The version the last successful refit was given (SGLang's; ``"default"`` before)."""
         return self.llm_engine.refits.weight_version
 
     def memory_status(self) -> list[MemoryStatus]:

@@ -23,7 +23,7 @@ Names = list[tuple[str, ...]]  # per rank, in rank order: the names each rank wr
 class WeightRefits:
     def __init__(self, executor: Executor, refresh: Callable[[], None]) -> None:
         self._executor, self._refresh = executor, refresh
-        self.weight_version: str | None = None
+        self.weight_version = "default"  # SGLang's name for weights no refit has named
 
     def run(self, command: Command, *args: Any, weight_version: str | None = None) -> list[Any]:
         """Runs ``command`` on every rank, then refreshes the ranks' stale-weight record

@@ -193,7 +193,7 @@ async def update_weights_from_disk(
 async def update_weights_from_tensor(
     body: UpdateWeightsFromTensorRequest, request: Request
 ) -> dict[str, Any]:
-    kwargs = {"serialized_named_tensors": body.serialized_named_tensors,
+    kwargs = {"named_tensors": body.serialized_named_tensors,
               "load_format": body.load_format}  # fmt: skip
     await _refit_through(request, "update_weights_from_tensor", kwargs, body)
     return OK
@@ -215,7 +215,10 @@ async def init_weights_update_group(
 ) -> dict[str, Any]:
     engine = _serving(request).engine
     method = llm_method(engine, "init_weights_update_group")
-    await asyncio.to_thread(method, **body.model_dump())  # a rendezvous: never on the loop
+    arguments = body.model_dump()
+    # On the engine's own thread, between steps, like every command: the rendezvous blocks it
+    # until the trainer joins, which it does at once (SGLang's engine blocks the same way).
+    await engine.call(lambda: method(**arguments))
     return OK
 
 

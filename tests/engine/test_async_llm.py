@@ -312,12 +312,8 @@ def test_after_shutdown_calls_raise(model_dirs) -> None:
         asyncio.run(engine.is_sleeping())
 
 
-@pytest.mark.skipif(
-    "output_kind" not in SamplingParams.__dataclass_fields__,
-    reason="SamplingParams has no output_kind yet (vLLM's field; AsyncLLM reads it when it does)",
-)
 def test_output_kind_comes_from_the_sampling_params(engine) -> None:
     params = greedy(6)
-    params.output_kind = RequestOutputKind.DELTA  # type: ignore[attr-defined]
+    params.output_kind = RequestOutputKind.DELTA
     outputs = asyncio.run(collect(engine, PROMPTS[0], params, "k"))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 6

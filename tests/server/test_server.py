@@ -215,25 +215,34 @@ def test_metrics_report_sleep_state_bytes_and_transitions(server) -> None:
     assert 'dormant_is_sleeping{model_name="tiny"} 0.0' in server.get("/metrics").text
 
 
-def test_refit_routes_the_engine_lacks_answer_501(server) -> None:
-    engine_llm = server.engine.llm
-    for route, name, body in [
-        ("/update_weights_from_tensor", "update_weights_from_tensor",
-         {"serialized_named_tensors": []}),
-        ("/init_weights_update_group", "init_weights_update_group",
-         {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
-          "world_size": 2}),
-        ("/update_weights_from_distributed", "update_weights_from_distributed",
-         {"names": [], "dtypes": [], "shapes": []}),
-        ("/destroy_weights_update_group", "destroy_weights_update_group", {}),
-    ]:  # fmt: skip
-        if hasattr(engine_llm, name):
-            continue  # built since: its own tests cover it
-        reply = server.post(route, body)
-        assert reply.status_code == 501, reply.text
-        assert f"LLM.{name}()" in reply.json()["error"]["message"]
-    if not hasattr(engine_llm, "get_weight_version"):
-        assert server.get("/get_weight_version").status_code == 501
+def test_update_weights_from_tensor_route(server, expected) -> None:
+    """slime's refit: /pause_generation, SGLang's flattened bucket of shared handles (CPU
+    shared memory here; CUDA IPC on a GPU), /continue_generation, then /get_weight_version."""
+    from dormant.worker.ipc_weights import FLATTENED_BUCKET, flattened_bucket_request
+    from tests.engine.conftest import hf_state_dict
+
+    entries, flat = flattened_bucket_request(list(hf_state_dict(2).items()))
+    assert server.post("/pause_generation", {}).status_code == 200
+    body = {"serialized_named_tensors": entries, "load_format": FLATTENED_BUCKET,
+            "weight_version": "step-7"}  # fmt: skip
+    reply = server.post("/update_weights_from_tensor", body)
+    assert reply.status_code == 200, reply.text
+    del flat
+    assert server.post("/continue_generation", {}).status_code == 200
+    assert token_ids(complete(server, PROMPTS)) == expected["b"]
+    assert server.get("/get_weight_version").json() == {"weight_version": "step-7"}
+
+
+def test_update_weights_from_tensor_with_a_bad_name_is_a_400(server, expected) -> None:
+    import torch
+
+    from dormant.worker.ipc_weights import flattened_bucket_request
+
+    entries, _ = flattened_bucket_request([("model.layers.0.mlp.no_such.weight", torch.ones(4))])
+    body = {"serialized_named_tensors": entries, "load_format": "flattened_bucket"}
+    reply = server.post("/update_weights_from_tensor", body)
+    assert reply.status_code == 400, reply.text
+    assert token_ids(complete(server, PROMPTS)) == expected["a"]  # nothing was written
 
 
 def test_idle_sleep_and_auto_wake(start_server) -> None:
