@@ -84,7 +84,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(limits, BlockManager(num_blocks, config.block_size), eos)
         self._sequences = SequenceFactory(random.Random(config.seed))
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, lambda: self.refits.weight_version)
         self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
         self.model_config = ModelConfigView.of(config)
 

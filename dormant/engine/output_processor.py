@@ -17,6 +17,7 @@ string may still be completing), as vLLM's streamed outputs do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
@@ -68,8 +69,13 @@ class OutputProcessor:
     ``decoded_token``.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, weight_version: Callable[[], str] | None = None
+    ) -> None:
+        """``weight_version`` names the weights in use; a completion never spans two of them
+        (refits wait for, or abort, running requests), so each output records the current one."""
         self.tokenizer = tokenizer
+        self._weight_version = weight_version
         self._requests: dict[int, RequestState] = {}
         self._request_of_seq: dict[int, RequestState] = {}
 
@@ -233,6 +239,7 @@ class OutputProcessor:
             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
             outputs=completions,
             finished=state.is_finished,
+            weight_version=None if self._weight_version is None else self._weight_version(),
         )
 
 

@@ -58,3 +58,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    weight_version: str | None = None  # the weights it was generated with (SGLang's name)

@@ -256,6 +256,8 @@ def test_a_refit_waits_for_running_requests_by_default(engine, model_dirs, slow_
     assert [list(r[-1].outputs[0].token_ids) for r in before] == old
     assert [list(r[-1].outputs[0].token_ids) for r in after] == new != old
     assert engine.weight_version == "v2"
+    assert {o.weight_version for r in before for o in r} == {"default"}  # what made them
+    assert {r[-1].weight_version for r in after} == {"v2"}
 
 
 def test_a_refit_with_the_abort_policy_aborts_running_requests(engine, model_dirs, slow_steps):

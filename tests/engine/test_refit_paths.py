@@ -52,9 +52,12 @@ def test_trl_loop_writes_fp32_through_the_model_object(make_llm, checkpoint, oth
 def test_update_weights_from_tensor_named_and_flattened(make_llm, checkpoint, expected_b):
     llm = make_llm(str(checkpoint))
     before = tokens(llm.generate(PROMPTS, GREEDY))
+    assert llm.generate(PROMPTS, GREEDY)[0].weight_version == "default"
     llm.update_weights_from_tensor(list(hf_state_dict(2).items()), weight_version="step-1")
-    assert tokens(llm.generate(PROMPTS, GREEDY)) == expected_b
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert tokens(outputs) == expected_b
     assert llm.get_weight_version() == "step-1"
+    assert {o.weight_version for o in outputs} == {"step-1"}  # each output names its weights
     entries, flat = flattened_bucket_request(list(hf_state_dict(1).items()))
     llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET, weight_version="step-2")
     del flat  # the sender may drop its buffer once the call returned
