@@ -24,7 +24,8 @@ class Slab:
 
 @dataclass(frozen=True, eq=False)
 class Block:
-    """``nbytes`` at ``address``, inside ``allocation`` (at ``offset`` of ``slab``, if any)."""
+    """``nbytes`` at ``address``, inside ``allocation``: a whole allocation of its own, or, when
+    ``slab`` is set, a range carved from that slab's allocation."""
 
     address: int
     nbytes: int
