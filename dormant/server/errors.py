@@ -3,7 +3,8 @@ envelope) with a status that says whose fault it is.
 
 | status | when                                                                           |
 |--------|--------------------------------------------------------------------------------|
-| 400    | a malformed or unsatisfiable request (validation, bad values, bad token ids)   |
+| 400    | a malformed or unsatisfiable request (validation, bad values, bad token ids,   |
+|        | IPC handles or a bucket that cannot be applied)                                |
 | 401    | a missing or wrong API key or admin token                                      |
 | 403    | an admin route on a non-loopback bind without a token; a foreign Origin/Host  |
 | 404    | an unknown route, or a model name this server does not serve                   |
@@ -41,6 +42,7 @@ from dormant.memory.errors import (
     UnknownTagError,
     WakeOutOfMemoryError,
 )
+from dormant.worker.transfer_errors import WeightTransferError
 
 logger = logging.getLogger("dormant.server")
 
@@ -101,6 +103,7 @@ def status_of(error: BaseException) -> HTTPStatus:
         UnknownRpcMethodError,
         UnknownTagError,
         SleepModeDisabledError,
+        WeightTransferError,  # the request's handles or bucket could not be applied
         ValueError,
         TypeError,
     )

@@ -85,7 +85,7 @@ class UpdateWeightsFromDiskRequest(Strict):
 
 
 class UpdateWeightsFromTensorRequest(Strict):
-    serialized_named_tensors: list[Any]
+    serialized_named_tensors: list[Any] = Field(min_length=1)  # one entry per TP rank, or one
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False

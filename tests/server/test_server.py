@@ -266,3 +266,12 @@ def test_without_the_flags_an_idle_server_stays_awake_and_asleep_refuses(server)
     assert server.get("/is_sleeping").json() == {"is_sleeping": False}
     server.post("/sleep?level=1")
     assert complete(server, PROMPTS[0]).status_code == 503
+
+
+def test_update_weights_from_tensor_refuses_what_it_cannot_apply(server) -> None:
+    """Schemathesis found a 500 here: no entries, or an entry that is not a payload, is the
+    request's own 400, and the engine still serves."""
+    for entries in ([], ["not base64 of anything"]):
+        reply = server.post("/update_weights_from_tensor", {"serialized_named_tensors": entries})
+        assert reply.status_code == 400, reply.text
+    assert complete(server, PROMPTS).status_code == 200
