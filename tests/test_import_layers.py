@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dormant.core",),  # what crosses the driver/worker boundary
     ("dormant.worker",),
     ("dormant.executors",),
-    ("dormant.engine", "dormant"),  # the driver; the package root re-exports LLM from it
+    ("dormant.engine", "dormant", "dormant.vllm_compat"),  # the driver; the root re-exports it
     ("dormant.server",),
     ("dormant.cli", "dormant.__main__"),
 )

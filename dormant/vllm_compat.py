@@ -1,0 +1,156 @@
+"""``dormant.install_as_vllm()``: dormant under vLLM's module names, for code that does
+``import vllm`` (TRL, NeMo-RL), the way PyMySQL's ``install_as_MySQLdb()`` serves MySQLdb users.
+
+    import dormant
+    dormant.install_as_vllm()      # before the framework imports vllm
+    from trl import GRPOTrainer     # ... its `from vllm import LLM, SamplingParams` gets dormant's
+
+What it registers, all backed by dormant's own classes:
+
+    module                                  names
+    ──────────────────────────────────────  ───────────────────────────────────────────────
+    vllm                                    LLM, AsyncLLMEngine, SamplingParams, RequestOutput,
+                                            CompletionOutput, TokensPrompt, TextPrompt, __version__
+    vllm.sampling_params                    SamplingParams, RequestOutputKind,
+                                            StructuredOutputsParams (refused when built)
+    vllm.outputs / vllm.logprobs / vllm.inputs   the output, Logprob and prompt types
+    vllm.v1.engine.async_llm                AsyncLLM
+    vllm.utils.network_utils                get_open_port (a free port), get_ip (loopback)
+    vllm.distributed.weight_transfer.*      names that raise when used: vLLM's own NCCL
+                                            transfer engine has no dormant equivalent; use
+                                            update_weights_from_distributed
+
+``vllm.__version__`` is ``VLLM_VERSION``: the newest vLLM release whose Python API dormant mirrors
+(TRL 1.16 accepts 0.22 to 0.31), with dormant's version as its local part. A real vLLM that is
+already imported is never shadowed: that raises ``VllmAlreadyImportedError``.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import socket
+import sys
+import types
+from typing import Any
+
+from dormant.errors import EngineError
+
+VLLM_VERSION = "0.31.0+dormant"
+_MARKER = "__dormant_compat__"
+
+
+class VllmAlreadyImportedError(EngineError, ImportError):
+    """``install_as_vllm()`` after a real vLLM was imported: the two cannot share the name."""
+
+
+class NotProvidedByDormantError(EngineError, NotImplementedError):
+    """A vLLM name a framework imports at start-up, used, with no dormant equivalent."""
+
+
+def install_as_vllm() -> types.ModuleType:
+    """Registers dormant as ``vllm`` (idempotent); returns the ``vllm`` module."""
+    existing = sys.modules.get("vllm")
+    if existing is not None:
+        if getattr(existing, _MARKER, False):
+            return existing
+        raise VllmAlreadyImportedError(
+            "a real vllm is already imported in this process; call dormant.install_as_vllm() "
+            "before anything imports vllm, or use vLLM itself"
+        )
+    from dormant.core.sampling_params import RequestOutputKind, SamplingParams
+    from dormant.engine.async_llm import AsyncLLM
+    from dormant.engine.llm import LLM
+    from dormant.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+    inputs = {"TokensPrompt": TokensPrompt, "TextPrompt": TextPrompt}
+    outputs = {"RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput}
+    root = _module(
+        "vllm", LLM=LLM, AsyncLLMEngine=AsyncLLM, SamplingParams=SamplingParams,
+        __version__=VLLM_VERSION, **outputs, **inputs,
+    )  # fmt: skip
+    _module("vllm.sampling_params", SamplingParams=SamplingParams,
+            RequestOutputKind=RequestOutputKind, StructuredOutputsParams=StructuredOutputsParams,
+            GuidedDecodingParams=StructuredOutputsParams)  # fmt: skip
+    _module("vllm.outputs", **outputs)
+    _module("vllm.logprobs", Logprob=Logprob)
+    _module("vllm.inputs", **inputs)
+    _module("vllm.v1")
+    _module("vllm.v1.engine")
+    _module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
+    _module("vllm.utils")
+    _module("vllm.utils.network_utils", get_open_port=get_open_port, get_ip=get_ip)
+    _module("vllm.distributed")
+    _module("vllm.distributed.weight_transfer")
+    for name, symbols in _UNPROVIDED.items():
+        _module(name, **{symbol: _unprovided(f"{name}.{symbol}") for symbol in symbols})
+    return root
+
+
+class TokensPrompt(dict[str, Any]):
+    """vLLM's ``TokensPrompt(prompt_token_ids=[...])``: a dict, as vLLM's TypedDict is."""
+
+
+class TextPrompt(dict[str, Any]):
+    """vLLM's ``TextPrompt(prompt="...")``."""
+
+
+class StructuredOutputsParams:
+    """vLLM's structured-output parameters: dormant has no guided decoding, so building one
+    raises instead of letting a request run unconstrained."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from dormant.core.errors import UnsupportedSamplingParamsError
+
+        raise UnsupportedSamplingParamsError(
+            "structured outputs / guided decoding are not supported by dormant; remove them "
+            "from the sampling params"
+        )
+
+
+def get_open_port() -> int:
+    """A free TCP port on this host (vLLM's helper)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_ip() -> str:
+    """The address a colocated engine is reached at: loopback (dormant serves one host)."""
+    return "127.0.0.1"
+
+
+_UNPROVIDED = {
+    "vllm.distributed.weight_transfer.nccl_engine": (
+        "NCCLTrainerSendWeightsArgs",
+        "NCCLWeightTransferEngine",
+    ),
+    "vllm.distributed.weight_transfer.packed_tensor": ("packed_nccl_broadcast_producer",),
+    "vllm.distributed.weight_transfer.nccl_common": ("trainer_init",),
+}
+
+
+def _unprovided(qualname: str) -> type:
+    """A stand-in that imports fine and raises NotProvidedByDormantError when used."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotProvidedByDormantError(
+            f"{qualname} is vLLM's own weight-transfer engine, which dormant does not provide; "
+            "refit with LLM.update_weights_from_distributed (SGLang's weight-update group) or "
+            "update_weights_from_tensor instead"
+        )
+
+    return type(qualname.rsplit(".", 1)[1], (), {"__new__": refuse, "__call__": refuse})
+
+
+def _module(name: str, **symbols: Any) -> types.ModuleType:
+    module = types.ModuleType(name, f"dormant's stand-in for {name} (dormant.install_as_vllm)")
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+    module.__path__ = []  # a package, so its submodules import
+    setattr(module, _MARKER, True)
+    for key, value in symbols.items():
+        setattr(module, key, value)
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, module)
+    return module
