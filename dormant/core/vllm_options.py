@@ -6,7 +6,7 @@ against what dormant can honour, and mapped onto dormant's options where it has 
 | quantization                | None                             | weights as in the checkpoint  |
 | pipeline_parallel_size      | 1                                | tensor parallelism only       |
 | enable_expert_parallel      | False                            | no MoE models                 |
-| model_impl                  | "auto"                           | dormant's own models          |
+| model_impl                  | "auto", "vllm"                   | dormant's own models          |
 | scheduling_policy           | "fcfs"                           | first come, first served      |
 | swap_space                  | any GiB >= 0                     | never swaps (recompute)       |
 | disable_custom_all_reduce   | True or False                    | uses torch's all-reduce only  |
@@ -24,11 +24,12 @@ from typing import Any
 
 from dormant.core.errors import UnsupportedOptionError
 
-_ONLY_VALUE: dict[str, tuple[object, str]] = {
+_ONLY_VALUE: dict[str, tuple[object | tuple[object, ...], str]] = {
     "quantization": (None, "dormant runs the checkpoint's own dtype; no quantization methods"),
     "pipeline_parallel_size": (1, "dormant splits models by tensor parallelism only"),
     "enable_expert_parallel": (False, "dormant has no mixture-of-experts models"),
-    "model_impl": ("auto", "dormant always runs its own model implementations"),
+    # "vllm" (vLLM's native models, TRL's default) is what dormant's own models are.
+    "model_impl": (("auto", "vllm"), "dormant always runs its own model implementations"),
     "scheduling_policy": ("fcfs", "dormant schedules first come, first served"),
 }
 # vLLM's cudagraph modes. dormant captures full graphs of decode steps and runs prefills
@@ -42,9 +43,11 @@ def resolve_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     ``UnsupportedOptionError`` for a value dormant cannot honour; changes nothing else."""
     resolved = dict(options)
     for name, (value, reason) in _ONLY_VALUE.items():
-        if name in resolved and resolved.pop(name) != value:
+        allowed = value if isinstance(value, tuple) else (value,)
+        if name in resolved and resolved.pop(name) not in allowed:
             raise UnsupportedOptionError(
-                f"{name}={options[name]!r} is not supported: {reason}. Supported: {value!r}"
+                f"{name}={options[name]!r} is not supported: {reason}. Supported: "
+                + " or ".join(repr(v) for v in allowed)
             )
     if "swap_space" in resolved:
         swap = resolved.pop("swap_space")

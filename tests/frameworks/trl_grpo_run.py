@@ -1,0 +1,80 @@
+"""TRL 1.16's GRPOTrainer in colocate mode with sleep mode on, over dormant installed as vllm:
+a few steps on a tiny Qwen3 in fp32 on the CPU. Run by ``test_trl_grpo.py`` in its own
+interpreter (``install_as_vllm`` and TRL's rank variables are process-wide); prints one JSON
+line with what the test asserts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import dormant
+
+dormant.install_as_vllm()  # the two lines a TRL user adds, before trl is imported
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from dormant.models import build_model  # noqa: E402
+from tests.engine.conftest import write_checkpoint, write_tokenizer  # noqa: E402
+
+
+def length_reward(completions: list[str], **_: object) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+def main(workdir: Path) -> None:
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    path = write_checkpoint(workdir / "ckpt", seed=1)
+    write_tokenizer(path)
+    prompts = ["ab cd", "hello there", "xy", "the cat sat", "on the mat", "a b c", "zz", "qq"]
+    args = GRPOConfig(
+        output_dir=str(workdir / "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=3, use_vllm=True, vllm_mode="colocate",
+        vllm_enable_sleep_mode=True, use_cpu=True, report_to=[], logging_steps=1,
+        bf16=False, save_strategy="no", seed=0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(path), reward_funcs=length_reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=AutoTokenizer.from_pretrained(str(path)),
+    )  # fmt: skip
+    trainer.train()
+    steps = [row for row in trainer.state.log_history if "loss" in row]
+    generation = trainer.vllm_generation
+    generation.sync_weights()  # TRL's own weight sync, then compare the engine's weights
+    engine_model = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+    # The policy's HF-named tensors, written into a fresh model of the engine's layout (fused
+    # qkv and gate/up), must equal the engine's tensors bit for bit.
+    reference = build_model(engine_model.config)
+    reference.init_buffers()
+    reference.load_weights((n, p.detach()) for n, p in trainer.model.named_parameters())
+    expected = dict(reference.named_parameters())
+    engine_state = dict(engine_model.named_parameters())
+    max_delta = max(
+        float((engine_state[name] - expected[name]).abs().max()) for name in engine_state
+    )
+    print(
+        json.dumps(
+            {
+                "num_steps": len(steps),
+                "is_ratio_mean": [row["sampling/importance_sampling_ratio/mean"] for row in steps],
+                "is_ratio_min": [row["sampling/importance_sampling_ratio/min"] for row in steps],
+                "is_ratio_max": [row["sampling/importance_sampling_ratio/max"] for row in steps],
+                "loss": [row["loss"] for row in steps],
+                "grad_norm": [row["grad_norm"] for row in steps],
+                "max_weight_delta": max_delta,
+                "weights_compared": len(engine_state),
+                "is_sleeping_after_sync": generation.llm.is_sleeping(),
+                "torch": torch.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
