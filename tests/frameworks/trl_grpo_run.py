@@ -6,7 +6,6 @@ line with what the test asserts."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,27 +15,37 @@ dormant.install_as_vllm()  # the two lines a TRL user adds, before trl is import
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from dormant.models import build_model  # noqa: E402
-from tests.engine.conftest import write_checkpoint, write_tokenizer  # noqa: E402
+from tests.engine.conftest import (  # noqa: E402
+    hf_config,
+    hf_state_dict,
+    write_checkpoint,
+    write_tokenizer,
+)
 
 
 def length_reward(completions: list[str], **_: object) -> list[float]:
     return [float(len(c)) for c in completions]
 
 
-def main(workdir: Path) -> None:
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+def main(workdir: Path, on_gpu: bool) -> None:
+    """On the CPU in fp32 (CI), or with ``--gpu`` on one GPU in bf16."""
     path = write_checkpoint(workdir / "ckpt", seed=1)
+    if on_gpu:  # a bf16 checkpoint: vLLM's (and dormant's) dtype "auto" follows config.json
+        hf_config(torch_dtype="bfloat16").save_pretrained(path)
+        state = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(1).items()}
+        save_file(state, str(path / "model.safetensors"))
     write_tokenizer(path)
     prompts = ["ab cd", "hello there", "xy", "the cat sat", "on the mat", "a b c", "zz", "qq"]
     args = GRPOConfig(
         output_dir=str(workdir / "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, max_steps=3, use_vllm=True, vllm_mode="colocate",
-        vllm_enable_sleep_mode=True, use_cpu=True, report_to=[], logging_steps=1,
-        bf16=False, save_strategy="no", seed=0,
+        vllm_enable_sleep_mode=True, use_cpu=not on_gpu, report_to=[], logging_steps=1,
+        bf16=on_gpu, save_strategy="no", seed=0, vllm_gpu_memory_utilization=0.3,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=str(path), reward_funcs=length_reward, args=args,
@@ -50,7 +59,8 @@ def main(workdir: Path) -> None:
     engine_model = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
     # The policy's HF-named tensors, written into a fresh model of the engine's layout (fused
     # qkv and gate/up), must equal the engine's tensors bit for bit.
-    reference = build_model(engine_model.config)
+    with torch.device(next(engine_model.parameters()).device):
+        reference = build_model(engine_model.config)
     reference.init_buffers()
     reference.load_weights((n, p.detach()) for n, p in trainer.model.named_parameters())
     expected = dict(reference.named_parameters())
@@ -77,4 +87,4 @@ def main(workdir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), on_gpu="--gpu" in sys.argv[2:])
