@@ -27,13 +27,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 
 from dormant.engine.async_llm import AsyncLLM
 from dormant.server import admin_routes, openai_routes, sglang_routes
 from dormant.server.connection import header_timeout_protocol
 from dormant.server.errors import install_error_handlers
 from dormant.server.metrics import Metrics
+from dormant.server.query_check import forbid_unknown_query
 from dormant.server.security import SecurityMiddleware
 from dormant.server.serving import Serving
 from dormant.server.settings import ServerSettings
@@ -72,7 +73,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     for module in (openai_routes, sglang_routes, admin_routes):
-        app.include_router(module.router)
+        app.include_router(module.router, dependencies=[Depends(forbid_unknown_query)])
     _add_info_routes(app, serving, metrics)
     app.add_middleware(SecurityMiddleware, settings=settings)
     return app

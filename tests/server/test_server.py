@@ -275,3 +275,12 @@ def test_update_weights_from_tensor_refuses_what_it_cannot_apply(server) -> None
         reply = server.post("/update_weights_from_tensor", {"serialized_named_tensors": entries})
         assert reply.status_code == 400, reply.text
     assert complete(server, PROMPTS).status_code == 200
+
+
+def test_an_unknown_query_parameter_is_refused_and_changes_nothing(server) -> None:
+    """``/sleep?levle=2`` (a typo) must not sleep at the default level."""
+    reply = server.post("/sleep?levle=2")
+    assert reply.status_code == 400, reply.text
+    assert "levle" in reply.json()["error"]["message"]
+    assert server.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert server.post("/wake_up?tag=weights").status_code == 400  # the parameter is "tags"
