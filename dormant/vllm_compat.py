@@ -1,9 +1,9 @@
 """``dormant.install_as_vllm()``: dormant under vLLM's module names, for code that does
 ``import vllm`` (TRL, NeMo-RL), the way PyMySQL's ``install_as_MySQLdb()`` serves MySQLdb users.
 
-    import dormant
-    dormant.install_as_vllm()      # before the framework imports vllm
-    from trl import GRPOTrainer     # ... its `from vllm import LLM, SamplingParams` gets dormant's
+    >>> import dormant
+    >>> dormant.install_as_vllm()     # before the framework imports vllm
+    >>> from trl import GRPOTrainer    # its `from vllm import LLM, SamplingParams` gets dormant's
 
 What it registers, all backed by dormant's own classes:
 
