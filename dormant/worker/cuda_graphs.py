@@ -29,7 +29,7 @@ from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import RUNTIME, MemoryManager
 from dormant.models import CausalLM
 from dormant.worker.input_buffers import InputBuffers
-from dormant.worker.logprobs import LogprobsMode, gather_logprobs, logprob_values, packed_width
+from dormant.worker.logprobs import LogprobsMode, packed_logprobs, packed_width
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,8 @@ class DecodeGraphs:
             logits = self._forward(bs)
             token = logits.argmax(dim=-1)
             tokens[step].copy_(token)
-            values = logprob_values(logits, self.logprobs_mode)
-            logprobs[step].copy_(gather_logprobs(values, token, self.num_top_logprobs))
+            packed = packed_logprobs(logits, token, self.num_top_logprobs, self.logprobs_mode)
+            logprobs[step].copy_(packed)
             if step + 1 == self.num_steps:
                 break
             ids.copy_(token)

@@ -23,6 +23,7 @@ import torch
 
 from dormant.core.config import LogprobsMode
 from dormant.core.step_output import TokenLogprobs
+from dormant.layers.kernels import use_triton
 
 _NUM_FIXED_COLUMNS = 3
 
@@ -68,10 +69,32 @@ def unpack_logprobs(packed: np.ndarray) -> list[TokenLogprobs]:
     ]
 
 
-def logprob_values(logits: torch.Tensor, mode: LogprobsMode) -> torch.Tensor:
-    """What the logprobs report for ``logits``: their log-softmax, or (``*_logits`` modes) the
-    logits themselves."""
-    return logits if mode.endswith("_logits") else logits.log_softmax(dim=-1)
+def packed_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, mode: LogprobsMode
+) -> torch.Tensor:
+    """``gather_logprobs`` of what the logprobs report for ``logits`` (float32 [n, V]): their
+    log-softmax, or (``*_logits`` modes) the logits themselves. ``logits`` is not modified.
+
+    On CUDA with Triton the log-softmax is never materialised: one fused read of the logits
+    gives each row's log-normaliser, the token's logprob and its rank, and the top-k runs on
+    the logits (the same order), less the normaliser (``dormant.layers.triton_logprobs``).
+    """
+    if mode.endswith("_logits"):
+        return gather_logprobs(logits, token_ids, num_top)
+    if not (use_triton(logits) and logits.stride(-1) == 1):
+        return gather_logprobs(logits.log_softmax(dim=-1), token_ids, num_top)
+    from dormant.layers.triton_logprobs import token_logprobs_and_ranks
+
+    packed = torch.empty(
+        (logits.shape[0], packed_width(num_top)), dtype=torch.int32, device=logits.device
+    )
+    lse = token_logprobs_and_ranks(logits, token_ids, packed)
+    if num_top > 0:
+        top_values, top_ids = logits.topk(num_top, dim=-1)
+        top = _NUM_FIXED_COLUMNS + num_top
+        packed[:, _NUM_FIXED_COLUMNS:top] = top_ids
+        packed[:, top:] = top_values.sub_(lse[:, None]).view(torch.int32)
+    return packed
 
 
 class HostCopy:

@@ -28,8 +28,7 @@ from dormant.worker.cuda_graphs import DecodeGraphs
 from dormant.worker.input_buffers import InputBuffers, Staging
 from dormant.worker.logprobs import (
     HostCopy,
-    gather_logprobs,
-    logprob_values,
+    packed_logprobs,
     packed_width,
     trim_top,
     unpack_logprobs,
@@ -172,22 +171,19 @@ class ModelRunner:
         mode = self.logprobs_mode
         num_top = _max_logprobs(seqs, self.vocab_size)
         processors = LogitsProcessors.build(seqs, self.vocab_size, self._penalty_staging)
-        values = None
+        raw = None  # the logits the raw modes report on, kept from the processors' writes
         if num_top is not None and mode.startswith("raw"):
-            values = logprob_values(logits, mode)
-            if values is logits and processors is not None:
-                values = logits.clone()  # the processors write the logits in place
+            raw = logits.clone() if processors is not None else logits
         if processors is not None:
             logits = logits.contiguous()
             processors.apply(logits)
         sampling = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
         keep_processed = num_top is not None and mode.startswith("processed")
         tokens, processed = sample_and_process(logits, sampling, keep_processed)
-        if processed is not None:
-            values = logprob_values(processed, mode)
+        values = processed if processed is not None else raw
         if values is None or num_top is None:
             return tokens, None
-        return tokens, gather_logprobs(values, tokens, num_top)
+        return tokens, packed_logprobs(values, tokens, num_top, mode)
 
     def _eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits of each sequence's last position, and packed prompt logprobs of the rows
@@ -221,8 +217,7 @@ class ModelRunner:
         for first in range(0, positions_t.shape[0], PROMPT_LOGPROBS_CHUNK):
             chunk = slice(first, first + PROMPT_LOGPROBS_CHUNK)
             chunk_logits = self.model.compute_logits(hidden[positions_t[chunk]])
-            values = chunk_logits.log_softmax(dim=-1)
-            packs.append(gather_logprobs(values, targets_t[chunk], num_top))
+            packs.append(packed_logprobs(chunk_logits, targets_t[chunk], num_top, "raw_logprobs"))
         empty = torch.empty((0, packed_width(num_top)), dtype=torch.int32, device=self.device)
         return torch.cat([empty, *packs])
 
