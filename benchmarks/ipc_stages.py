@@ -37,10 +37,10 @@ def main() -> None:
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
     shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
     recorder = Recorder(args.out)
-    for reuse in (False, True):
+    for mode in ("new", "reuse"):
         conn, child = get_context("spawn").Pipe()
         sender = get_context("spawn").Process(
-            target=sender_main, args=(child, shapes, "cuda", args.bucket_mib * MiB, 3, reuse)
+            target=sender_main, args=(child, shapes, "cuda", args.bucket_mib * MiB, 3, mode)
         )
         sender.start()
         conn.recv()
@@ -71,7 +71,7 @@ def main() -> None:
         sender.join()
         for stage, values in stages.items():
             recorder.emit(
-                case="ipc receiver stage", reuse=reuse, stage=stage, buckets=len(values),
+                case="ipc receiver stage", sender=mode, stage=stage, buckets=len(values),
                 median_ms=statistics.median(values) * 1e3, max_ms=max(values) * 1e3,
             )  # fmt: skip
 

@@ -115,29 +115,51 @@ def checksum(tensors: list[Tensor]) -> float:
 # ── the second process: a trainer that sends CUDA IPC buckets ──────────────────────────────
 
 
+SENDER_MODES = {
+    "new": "a new buffer each",
+    "reuse": "one reused buffer",
+    "pipelined": "two buffers, the next packed while the engine copies",
+    "direct": "the trainer's own tensors, no packing",
+}
+
+
 def sender_main(
-    conn: Connection, shapes: Shapes, device: str, bucket_bytes: int, seed: int, reuse: bool
+    conn: Connection, shapes: Shapes, device: str, bucket_bytes: int, seed: int, mode: str
 ) -> None:
-    """With ``reuse``, one persistent bucket buffer is packed again for every bucket (verl's
-    way: the engine opens its IPC handle once); without, every bucket is a new buffer with a new
-    handle (slime's way)."""
+    """Sends the weights on every "run", in buckets, by ``mode`` (``SENDER_MODES``):
+    ``new``, every bucket a new buffer with a new handle (slime's way); ``reuse``, one
+    persistent buffer packed again for every bucket (verl's way); ``pipelined``, two persistent
+    buffers, bucket k+1 packed and sent before the engine acknowledged bucket k; ``direct``,
+    handles of the weights themselves (``load_format=None``), nothing packed."""
     weights = source_weights(shapes, torch.bfloat16, torch.device(device), seed)
     conn.send(checksum([t for _, t in weights]))
     largest = max(t.numel() * t.element_size() for _, t in weights)
-    persistent = torch.empty(
-        max(bucket_bytes, largest) + (1 << 20), dtype=torch.uint8, device=device
-    )
+    size = max(bucket_bytes, largest) + (1 << 20)
+    num_buffers = {"reuse": 1, "pipelined": 2}.get(mode, 0)
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
+    # Buckets the engine may still be reading when the next one is packed: a buffer is packed
+    # again only once the engine acknowledged the bucket it held.
+    in_flight_limit = 1 if mode == "pipelined" else 0
     while conn.recv() == "run":
-        for bucket in iter_buckets(weights, bucket_bytes):
-            if reuse:
-                entries, flat = [serialize_for_update(pack_into(persistent, bucket))], None
+        in_flight = 0
+        for index, bucket in enumerate(iter_buckets(weights, bucket_bytes)):
+            flat = None
+            if mode == "direct":
+                entries = [serialize_for_update(bucket)]
+            elif buffers:
+                entries = [serialize_for_update(pack_into(buffers[index % len(buffers)], bucket))]
             else:
                 entries, flat = flattened_bucket_request(bucket)
             conn.send(entries)
-            conn.recv()  # the engine returned: its copies are done
+            in_flight += 1
+            while in_flight > in_flight_limit:
+                conn.recv()  # the engine returned: its copies of that bucket are done
+                in_flight -= 1
             del entries, flat
-            if device.startswith("cuda") and not reuse:
+            if device.startswith("cuda") and mode == "new":
                 torch.cuda.ipc_collect()
+        for _ in range(in_flight):
+            conn.recv()
         conn.send(None)
 
 
@@ -156,13 +178,13 @@ def pack_into(flat: Tensor, bucket: list[tuple[str, Tensor]]) -> dict[str, Any]:
     return {"flattened_tensor": flat[:offset], "metadata": metadata}
 
 
-def ipc_case(model: CausalLM, conn: Connection) -> float:
+def ipc_case(model: CausalLM, conn: Connection, load_format: str | None) -> float:
     """One refit from the sender; returns the receiver-side seconds (inside the update calls)."""
     inside = 0.0
     conn.send("run")
     while (entries := conn.recv()) is not None:
         start = time.perf_counter()
-        update_weights_from_tensor(model, entries, load_format=FLATTENED_BUCKET)
+        update_weights_from_tensor(model, entries, load_format=load_format)
         inside += time.perf_counter() - start
         conn.send(True)
     return inside
@@ -231,24 +253,26 @@ def main() -> None:
         report(f"trl loop, {name}, one tensor per call", *loop)
         weights = []
 
-    for reuse in (False, True):
+    for mode, how in SENDER_MODES.items():
         ctx = get_context("spawn")
         conn, child = ctx.Pipe()
         sender = ctx.Process(
             target=sender_main,
-            args=(child, shapes, str(device), args.bucket_mib * MiB, 3 + reuse, reuse),
+            args=(child, shapes, str(device), args.bucket_mib * MiB, 3 + len(rows), mode),
         )
         sender.start()
         sent_checksum = conn.recv()
         inside: list[float] = []
-        run = partial(lambda sink, c: sink.append(ipc_case(model, c)), inside, conn)
+        load_format = None if mode == "direct" else FLATTENED_BUCKET
+        run = partial(
+            lambda sink, c, fmt: sink.append(ipc_case(model, c, fmt)), inside, conn, load_format
+        )
         times, peak = measure(run, device, args.repeats)
         received = checksum([p.detach() for p in params])
         conn.send("stop")
         sender.join()
-        how = "one reused buffer" if reuse else "a new buffer each"
         report(
-            f"ipc flattened buckets of {args.bucket_mib} MiB, {how} (end to end)",
+            f"ipc buckets of {args.bucket_mib} MiB, {how} (end to end)",
             times,
             peak,
             receiver_s=statistics.median(inside),
