@@ -27,8 +27,10 @@ from dormant.models.decoder import DecoderLayer, DecoderModel, DecoderSpec
 
 
 class WeightWriteObserver(Protocol):
-    """Told about every weight write, so that no refit path is invisible to it."""
+    """Told about every weight write, so that no refit path is invisible to it.
+    ``before_write`` runs first and may refuse the write by raising (nothing is written)."""
 
+    def before_write(self) -> None: ...
     def written(self, names: Iterable[str]) -> None: ...
     def failed(self) -> None: ...
 
@@ -130,8 +132,11 @@ class CausalLM(nn.Module, ABC):
         """Copies HF-named full tensors into the parameters in place (dtype cast on copy);
         returns the names written. Ignored names (``rotary_emb.inv_freq``; ``lm_head.weight``
         of a tied model) are skipped and not returned. ``weight_observer`` hears of every
-        write, and of a failure partway (after which values may be mixed)."""
+        write, and of a failure partway (after which values may be mixed); its
+        ``before_write`` may refuse the whole call first (the weights asleep)."""
         observer = self.weight_observer
+        if observer is not None:
+            observer.before_write()  # a refusal writes nothing and marks nothing stale
         try:
             names = weight_io.load_weights(
                 self.weight_table(), self.config.tie_word_embeddings, weights

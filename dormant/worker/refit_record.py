@@ -16,15 +16,24 @@ Generating is refused while anything is stale.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class RefitRecord:
-    """Invariant: ``stale`` is a subset of ``names``."""
+    """Invariant: ``stale`` is a subset of ``names``. ``check_writable`` (the worker's "are
+    the weights awake?") runs before every load, so a framework writing through
+    ``model.load_weights`` while the weights sleep gets a typed error, not a segfault."""
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(
+        self, names: Iterable[str], check_writable: Callable[[], None] | None = None
+    ) -> None:
         self.names = frozenset(names)
         self.stale: set[str] = set()
+        self._check_writable = check_writable
+
+    def before_write(self) -> None:
+        if self._check_writable is not None:
+            self._check_writable()
 
     def discarded(self) -> None:
         self.stale = set(self.names)

@@ -136,11 +136,16 @@ class Worker:
         model.init_buffers()
         model.reset_kv_scales()
         self._model = model
-        self.refits = RefitRecord(model.expected_weight_shapes())
+        self.refits = RefitRecord(model.expected_weight_shapes(), self._check_weights_writable)
         model.weight_observer = self.refits
         self.refitter.load_checkpoint(self.config.model)
         self.mm.guard_addresses("weights", lambda: list(model.parameters()))
         return tuple(model.expected_weight_shapes())
+
+    def _check_weights_writable(self) -> None:
+        """Every weight write, by any path (a framework's ``model.load_weights`` included),
+        needs the weights and the runtime buffers (checkpoint k/v scales) awake."""
+        check_awake(self.mm, "model.load_weights", WEIGHTS, RUNTIME)
 
     def num_available_blocks(self) -> int:
         """KV blocks that fit on this device, all-reduced MIN over the ranks (DESIGN §3 inv. 6)."""
