@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dormant.core.errors import EngineAsleepError, EngineDeadError
+from dormant.core.errors import EngineAsleepError, EngineDeadError, UnsupportedOptionError
 from dormant.core.sampling_params import RequestOutputKind, SamplingParams
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
@@ -53,6 +53,7 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 Listener = Callable[[RequestOutput | BaseException], None]
 REFIT_POLICIES = ("wait", "abort")
 _REPLACEMENT = "\ufffd"
+_DRAIN_POLL_S = 0.01
 
 
 class _Deferred:
@@ -124,11 +125,18 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         output_kind: RequestOutputKind | None = None,
+        lora_request: Any = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finished; cancelling the consuming task (or
         closing the generator) aborts it. ``output_kind`` defaults to
         ``sampling_params.output_kind`` where it exists, else CUMULATIVE. Raises
-        ``EngineAsleepError`` while memory is asleep; while only paused, the request waits."""
+        ``EngineAsleepError`` while memory is asleep; while only paused, the request waits.
+
+        ``lora_request`` and ``priority`` are vLLM's (verl passes ``lora_request=None,
+        priority=0``): dormant has no LoRA adapters and schedules first come, first served, so
+        anything else raises ``UnsupportedOptionError`` before the request is queued."""
+        _check_vllm_request_options(lora_request, priority)
         params = sampling_params or SamplingParams()
         kind = output_kind if output_kind is not None else _kind_of(params)
         user_id = request_id if request_id is not None else uuid.uuid4().hex
@@ -203,12 +211,35 @@ class AsyncLLM:
         reset = getattr(self.llm, "reset_prefix_cache", None)
         return True if reset is None else bool(await self._call(reset))
 
+    async def reset_mm_cache(self) -> None:
+        """vLLM's (verl calls it once the engine is up). dormant serves text-only models, so
+        there is no multimodal cache to clear."""
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: returns once no request is running or waiting (new requests are not held
+        back meanwhile); raises ``TimeoutError`` after ``drain_timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout
+        while await self._call(lambda: self.engine.has_unfinished_requests() or bool(self._held)):
+            if loop.time() >= deadline:
+                raise TimeoutError(
+                    f"requests were still running after {drain_timeout} s; abort them "
+                    "(abort / pause_generation(mode='abort')) or wait longer"
+                )
+            await asyncio.sleep(_DRAIN_POLL_S)
+
     async def collective_rpc(
-        self, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """``LLM.collective_rpc`` between two steps; one result per rank. Refits through it
-        (``reload_weights``, ``update_weights``) follow ``refit_policy``."""
-        call = lambda: self.engine.collective_rpc(method, args, kwargs)  # noqa: E731
+        """``LLM.collective_rpc`` between two steps, with vLLM's ``AsyncLLM`` signature
+        (``timeout`` second; accepted for vLLM's callers, the executor bounds commands); one
+        result per rank. Refits through it (``reload_weights``, ``update_weights``) follow
+        ``refit_policy``."""
+        call = lambda: self.engine.collective_rpc(method, args, kwargs, timeout)  # noqa: E731
         if method in ("reload_weights", "update_weights"):
             return await self.refit(call)
         if method == "sleep":  # the engine's sleep, so that the requests it aborts are answered
@@ -510,6 +541,19 @@ class AsyncLLM:
             except queue.Empty:
                 return
             future.set_exception(EngineDeadError("the engine was shut down"))
+
+
+def _check_vllm_request_options(lora_request: Any, priority: int) -> None:
+    if lora_request is not None:
+        raise UnsupportedOptionError(
+            "lora_request: dormant has no LoRA adapters; merge the adapter into the weights, "
+            "refit, and pass lora_request=None"
+        )
+    if priority != 0:
+        raise UnsupportedOptionError(
+            f"priority={priority!r}: dormant schedules first come, first served "
+            "(scheduling_policy='fcfs'); pass priority=0"
+        )
 
 
 def _kind_of(params: SamplingParams) -> RequestOutputKind:

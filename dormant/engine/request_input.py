@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dormant.core.errors import InvalidSamplingParamsError
+from dormant.core.errors import InvalidSamplingParamsError, UnsupportedOptionError
 from dormant.core.sampling_params import (
     GREEDY_TEMPERATURE_EPSILON,
     MIN_RANDOM_TEMPERATURE,
@@ -108,7 +108,12 @@ def _normalise(params: SamplingParams) -> None:
 
 def _tokenize(prompt: Prompt, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
     if isinstance(prompt, Mapping):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if prompt.get("multi_modal_data"):
+            raise UnsupportedOptionError(
+                "multi_modal_data: dormant serves text-only models; pass token ids alone"
+            )
+        # An empty multi_modal_data is what verl sends with every text prompt.
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
         if unknown:
             raise ValueError(
                 f"prompt dict keys {sorted(unknown)} are not supported; use 'prompt_token_ids' "

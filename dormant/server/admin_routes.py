@@ -114,7 +114,7 @@ async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> dict[s
         raise EngineAsleepError(
             f"{body.method} reads the {tag!r} memory, which is asleep; wake_up() first"
         )
-    results = await engine.collective_rpc(body.method, body.args, body.kwargs)
+    results = await engine.collective_rpc(body.method, args=body.args, kwargs=body.kwargs)
     return {"results": jsonable(results)}
 
 
