@@ -1,11 +1,18 @@
-"""The sampled token's logprob and rank in one read of the logits, as two Triton kernels.
+"""The sampled token's logprob and rank, and the top-k, in one read of the logits, as two
+Triton kernels.
 
-``log_softmax`` then a gather, a rank count and a top-k read a ``[n, V]`` float32 row block
-four times and write it once. Here the first kernel reads it once: each program takes one
-segment of one row and keeps, per lane, a running maximum and a rescaled sum of exponentials
-(the online softmax), and counts the values above the token's. The second kernel combines
-the segments of a row into its log-normaliser ``lse``, and writes the packed row's first
-three columns: the token, its rank and its logprob ``x[token] - lse``.
+``log_softmax`` then a gather, a rank count and ``topk`` read a ``[n, V]`` float32 row block
+four times and write it once, and ``topk`` over a 151936-wide row is slow (one pass per radix
+digit). Here the first kernel reads it once: each program holds one segment of one row in
+registers, takes its maximum and its sum of exponentials, counts the values above the token's,
+and picks the segment's ``k`` best by ``k`` rounds of argmax. The second kernel combines the
+segments of a row into its log-normaliser ``lse`` and writes the packed row's first three
+columns: the token, its rank and its logprob ``x[token] - lse``; the top-k of the candidates
+(``k`` per segment, so ``k`` per row are among them) is then a small ``topk``.
+
+Candidates are compared as order-preserving int32 keys of their float32 values, with taken and
+padding positions below every value, ``-inf`` included: a row always yields ``k`` distinct
+tokens, as ``torch.topk`` does, even where the sampler left fewer than ``k`` finite logits.
 
 Against ``log_softmax`` (the reference, ``dormant.worker.logprobs``), values differ only in
 the order of the float32 sum, so by a few units in the last place. Ranks count the values
@@ -19,41 +26,40 @@ import torch
 import triton
 import triton.language as tl
 
-_SEGMENT = 8192  # values of one row per program of the first kernel
-_BLOCK = 1024  # values per iteration of its loop
+_SEGMENT = 8192  # values of one row per program of the first kernel, held in registers
+MAX_FUSED_TOP = 32  # larger top-k requests use torch.topk on the logits
+_LOW_BITS = 0x7FFFFFFF  # flipped in a negative float's bits to order them as the floats
+_KEY_FLOOR: tl.constexpr = tl.constexpr(-(2**31))  # below every value's key, -inf's included
 
 
 @triton.jit
 def _segment_stats_kernel(
-    x_ptr, tokens_ptr, max_ptr, sum_ptr, count_ptr, vocab, stride_row, num_segments,
-    SEGMENT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, tokens_ptr, max_ptr, sum_ptr, count_ptr, top_key_ptr, top_id_ptr,
+    vocab, stride_row, num_segments, SEGMENT: tl.constexpr, NUM_TOP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     segment = tl.program_id(1)
     row_ptr = x_ptr + row.to(tl.int64) * stride_row
     token_value = tl.load(row_ptr + tl.load(tokens_ptr + row)).to(tl.float32)
-    running_max = tl.full([BLOCK], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK], tl.float32)
-    above = tl.zeros([BLOCK], tl.int32)
-    start = segment * SEGMENT
-    for offset in range(0, SEGMENT, BLOCK):
-        cols = start + offset + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, x)
-        # A lane that has seen only -inf (masked, or filtered by the sampler) keeps sum 0.
-        is_finite = new_max > float("-inf")
-        safe_max = tl.where(is_finite, new_max, 0.0)
-        rescaled = running_sum * tl.exp(running_max - safe_max) + tl.exp(x - safe_max)
-        running_sum = tl.where(is_finite, rescaled, 0.0)
-        running_max = new_max
-        above += (x > token_value).to(tl.int32)
-    segment_max = tl.max(running_max, axis=0)
-    safe_segment_max = tl.where(segment_max > float("-inf"), segment_max, 0.0)
-    weights = tl.where(running_max > float("-inf"), tl.exp(running_max - safe_segment_max), 0.0)
+    offsets = tl.arange(0, SEGMENT)
+    cols = segment * SEGMENT + offsets
+    is_column = cols < vocab
+    x = tl.load(row_ptr + cols, mask=is_column, other=float("-inf")).to(tl.float32)
+    segment_max = tl.max(x, axis=0)
+    safe_max = tl.where(segment_max > float("-inf"), segment_max, 0.0)  # an all -inf segment
     out = row * num_segments + segment
     tl.store(max_ptr + out, segment_max)
-    tl.store(sum_ptr + out, tl.sum(running_sum * weights, axis=0))
-    tl.store(count_ptr + out, tl.sum(above, axis=0))
+    tl.store(sum_ptr + out, tl.sum(tl.exp(x - safe_max), axis=0))
+    tl.store(count_ptr + out, tl.sum((x > token_value).to(tl.int32), axis=0))
+    if NUM_TOP > 0:
+        bits = x.to(tl.int32, bitcast=True)
+        keys = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        keys = tl.where(is_column, keys, _KEY_FLOOR)
+        for i in tl.static_range(NUM_TOP):
+            best = tl.argmax(keys, axis=0)
+            tl.store(top_key_ptr + out * NUM_TOP + i, tl.max(keys, axis=0))
+            tl.store(top_id_ptr + out * NUM_TOP + i, segment * SEGMENT + best)
+            keys = tl.where(offsets == best, _KEY_FLOOR, keys)
 
 
 @triton.jit
@@ -79,28 +85,37 @@ def _combine_kernel(
     tl.store(lse_ptr + row, lse)
 
 
-def token_logprobs_and_ranks(
-    logits: torch.Tensor, token_ids: torch.Tensor, packed: torch.Tensor
-) -> torch.Tensor:
-    """Writes columns 0..2 of ``packed`` (int32 [n, >= 3]): per row of ``logits`` (float32
-    [n, V], unit stride in V), the token of ``token_ids`` (int [n]), its rank and its logprob
-    (float32 bits). Returns each row's log-normaliser ``lse`` (float32 [n]), so that any
-    value's logprob is ``logit - lse``. Never synchronizes with the host."""
+def fused_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, packed: torch.Tensor
+) -> None:
+    """Fills ``packed`` (int32 [n, 3 + 2 * num_top], ``gather_logprobs``'s layout) with the
+    logprobs of ``logits`` (float32 [n, V], unit stride in V) for ``token_ids`` (int [n]):
+    each token, its rank and logprob, then the ``num_top`` best tokens and their logprobs.
+    Preconditions: ``num_top <= min(MAX_FUSED_TOP, V)``. Never synchronizes with the host."""
     num_rows, vocab = logits.shape
-    num_segments = triton.cdiv(vocab, _SEGMENT)
-    stats = torch.empty((3, num_rows, num_segments), dtype=torch.float32, device=logits.device)
-    counts = stats[2].view(torch.int32)
-    lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    tokens = token_ids.reshape(-1)
     if num_rows == 0:
-        return lse
+        return
+    num_segments = triton.cdiv(vocab, _SEGMENT)
+    device = logits.device
+    stats = torch.empty((3, num_rows, num_segments), dtype=torch.float32, device=device)
+    counts = stats[2].view(torch.int32)
+    candidates = torch.empty(
+        (2, num_rows, num_segments * max(num_top, 1)), dtype=torch.int32, device=device
+    )
+    lse = torch.empty(num_rows, dtype=torch.float32, device=device)
+    tokens = token_ids.reshape(-1)
     _segment_stats_kernel[(num_rows, num_segments)](
-        logits, tokens, stats[0], stats[1], counts, vocab, logits.stride(0), num_segments,
-        SEGMENT=_SEGMENT, BLOCK=_BLOCK, num_warps=4,
+        logits, tokens, stats[0], stats[1], counts, candidates[0], candidates[1],
+        vocab, logits.stride(0), num_segments, SEGMENT=_SEGMENT, NUM_TOP=num_top, num_warps=8,
     )  # fmt: skip
     _combine_kernel[(num_rows,)](
         logits, tokens, stats[0], stats[1], counts, packed, lse,
         logits.stride(0), packed.stride(0), num_segments,
         SEGMENTS=max(triton.next_power_of_2(num_segments), 2), num_warps=1,
     )  # fmt: skip
-    return lse
+    if num_top > 0:
+        top_keys, at = candidates[0].topk(num_top, dim=-1)
+        bits = torch.where(top_keys < 0, top_keys ^ _LOW_BITS, top_keys)
+        first_value = 3 + num_top
+        packed[:, 3:first_value] = candidates[1].gather(-1, at)
+        packed[:, first_value:] = bits.view(torch.float32).sub_(lse[:, None]).view(torch.int32)

@@ -26,6 +26,7 @@ from dormant.core.step_output import TokenLogprobs
 from dormant.layers.kernels import use_triton
 
 _NUM_FIXED_COLUMNS = 3
+_MAX_FUSED_TOP = 32  # dormant.layers.triton_logprobs.MAX_FUSED_TOP (that module needs Triton)
 
 
 def packed_width(num_top: int) -> int:
@@ -56,16 +57,19 @@ def trim_top(packed: torch.Tensor, num_top: int) -> torch.Tensor:
 
 def unpack_logprobs(packed: np.ndarray) -> list[TokenLogprobs]:
     """The host side of ``gather_logprobs``: one ``TokenLogprobs`` per row of ``packed``
-    (int32 [n, 3 + 2k]); the top tokens' ranks are 1 .. k."""
+    (int32 [n, 3 + 2k]); the top tokens' ranks are 1 .. k. (This runs on the host between
+    steps, once per row: columns become lists in one call each.)"""
     num_top = (packed.shape[-1] - _NUM_FIXED_COLUMNS) // 2
     values = packed.view(np.float32)
-    ids = np.concatenate([packed[:, :1], packed[:, 3 : 3 + num_top]], axis=1).tolist()
-    logprobs = np.concatenate([values[:, 2:3], values[:, 3 + num_top :]], axis=1).tolist()
+    rows = zip(packed[:, 0].tolist(), values[:, 2].tolist(), packed[:, 1].tolist(), strict=True)
+    if num_top == 0:
+        return [TokenLogprobs((token,), (logprob,), (rank,)) for token, logprob, rank in rows]
+    top_ids = packed[:, 3 : 3 + num_top].tolist()
+    top_logprobs = values[:, 3 + num_top :].tolist()
     top_ranks = tuple(range(1, num_top + 1))
-    ranks = packed[:, 1].tolist()
     return [
-        TokenLogprobs(tuple(i), tuple(lp), (rank, *top_ranks))
-        for i, lp, rank in zip(ids, logprobs, ranks, strict=True)
+        TokenLogprobs((token, *ids), (logprob, *logprobs), (rank, *top_ranks))
+        for (token, logprob, rank), ids, logprobs in zip(rows, top_ids, top_logprobs, strict=True)
     ]
 
 
@@ -75,25 +79,20 @@ def packed_logprobs(
     """``gather_logprobs`` of what the logprobs report for ``logits`` (float32 [n, V]): their
     log-softmax, or (``*_logits`` modes) the logits themselves. ``logits`` is not modified.
 
-    On CUDA with Triton the log-softmax is never materialised: one fused read of the logits
-    gives each row's log-normaliser, the token's logprob and its rank, and the top-k runs on
-    the logits (the same order), less the normaliser (``dormant.layers.triton_logprobs``).
+    On CUDA with Triton (and at most 32 top tokens) the log-softmax is never materialised: one
+    fused read of the logits gives each row's log-normaliser, the token's logprob and rank, and
+    the top-k (``dormant.layers.triton_logprobs``).
     """
     if mode.endswith("_logits"):
         return gather_logprobs(logits, token_ids, num_top)
-    if not (use_triton(logits) and logits.stride(-1) == 1):
+    if not (use_triton(logits) and logits.stride(-1) == 1 and num_top <= _MAX_FUSED_TOP):
         return gather_logprobs(logits.log_softmax(dim=-1), token_ids, num_top)
-    from dormant.layers.triton_logprobs import token_logprobs_and_ranks
+    from dormant.layers.triton_logprobs import fused_logprobs
 
     packed = torch.empty(
         (logits.shape[0], packed_width(num_top)), dtype=torch.int32, device=logits.device
     )
-    lse = token_logprobs_and_ranks(logits, token_ids, packed)
-    if num_top > 0:
-        top_values, top_ids = logits.topk(num_top, dim=-1)
-        top = _NUM_FIXED_COLUMNS + num_top
-        packed[:, _NUM_FIXED_COLUMNS:top] = top_ids
-        packed[:, top:] = top_values.sub_(lse[:, None]).view(torch.int32)
+    fused_logprobs(logits, token_ids, num_top, packed)
     return packed
 
 
