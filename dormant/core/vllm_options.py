@@ -12,6 +12,7 @@ against what dormant can honour, and mapped onto dormant's options where it has 
 | disable_custom_all_reduce   | True or False                    | uses torch's all-reduce only  |
 | compilation_config          | dict or JSON: ``cudagraph_mode``, | ``enforce_eager``,            |
 |                             | ``cudagraph_capture_sizes``      | ``cuda_graph_batch_sizes``    |
+| hf_overrides                | None or {} (verl passes {})      | config.json as it is          |
 
 Any other value raises ``UnsupportedOptionError`` naming the option, the value and what is
 supported.
@@ -62,6 +63,11 @@ def resolve_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
             raise UnsupportedOptionError(f"disable_custom_all_reduce must be a bool, got {value!r}")
     if "compilation_config" in resolved:
         _apply_compilation_config(resolved, resolved.pop("compilation_config"))
+    if resolved.pop("hf_overrides", None):
+        raise UnsupportedOptionError(
+            f"hf_overrides={options['hf_overrides']!r} is not supported: dormant reads "
+            "config.json as it is; edit the checkpoint's config.json, or pass None or {}"
+        )
     return resolved
 
 

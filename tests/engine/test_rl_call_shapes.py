@@ -124,3 +124,13 @@ async def _final(
         outputs.append(output)
         started.set()
     return outputs[-1]
+
+
+def test_hf_overrides_empty_is_accepted_anything_else_refused(checkpoint) -> None:
+    """verl passes ``hf_overrides={}`` with every engine (vas L252-289): a TypeError before."""
+    from dormant.core.config import EngineConfig
+
+    for empty in ({}, None):
+        assert EngineConfig.create(str(checkpoint), device="cpu", hf_overrides=empty)
+    with pytest.raises(UnsupportedOptionError, match=r"config\.json"):
+        EngineConfig.create(str(checkpoint), device="cpu", hf_overrides={"num_hidden_layers": 1})
