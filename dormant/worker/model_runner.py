@@ -84,9 +84,8 @@ class ModelRunner:
         """Computes ``step``: one sampled token per sequence, its logprobs where asked, and the
         prompt logprobs of first prefills that ask. One device-to-host copy."""
         num_seqs = len(step.seqs)
-        padded = (
-            None if step.is_prefill or self.graphs is None else self.graphs.padded_size(num_seqs)
-        )
+        graphs = None if self.is_logits_patched else self.graphs
+        padded = None if step.is_prefill or graphs is None else graphs.padded_size(num_seqs)
         prompt = None
         if padded is not None:
             self.inputs.load(step, pad_to=padded)
@@ -119,7 +118,7 @@ class ModelRunner:
             raise ValueError("multi-step graphs run decode batches of at most the largest size")
         if not all(s.params.is_greedy for s in step.seqs):
             raise ValueError("multi-step decoding is greedy: every request needs temperature 0")
-        if not self.fits_multi_step_graph(step.seqs):
+        if self.is_logits_patched or not self.fits_multi_step_graph(step.seqs):
             return self.execute_single_steps(step, self.graphs.num_steps)
         self.inputs.load(step, pad_to=padded)
         captured = self.graphs.multi_step[padded]
@@ -132,6 +131,14 @@ class ModelRunner:
             logprobs = trim_top(captured.logprobs[:, :num_seqs], num_top)
         self._host_copy.start([tokens, *([] if logprobs is None else [logprobs])])
         return self._step_output(step.seqs, self.graphs.num_steps, logprobs, None)
+
+    @property
+    def is_logits_patched(self) -> bool:
+        """Whether ``model.compute_logits`` was replaced on the instance after the graphs were
+        captured (verl's ``monkey_patch_compute_logits`` masks the padded vocabulary that
+        way). The graphs baked in the original, so steps then run eagerly, as in vLLM, whose
+        decode graphs stop before the logits."""
+        return "compute_logits" in vars(self.model)
 
     def fits_multi_step_graph(self, seqs: SequenceOf[SeqInput]) -> bool:
         """Whether the fused graph computes what these greedy decode rows ask: plain argmax
