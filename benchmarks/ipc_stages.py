@@ -26,6 +26,8 @@ from dormant.models import ModelConfig
 from dormant.worker.ipc_weights import deserialize_payload, unflatten_bucket
 
 STAGES = ("rebuild", "unflatten", "check", "copy", "sync")
+# Also timed: "release", dropping the rebuilt tensors (closing the IPC handle), and "sender",
+# from the acknowledgement to the next bucket's arrival (the trainer packing and serializing).
 
 
 def main() -> None:
@@ -44,13 +46,14 @@ def main() -> None:
         )
         sender.start()
         conn.recv()
-        stages: dict[str, list[float]] = {
-            k: [] for k in ("rebuild", "unflatten", "check", "copy", "sync")
-        }
+        stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "release", "sender")}
         for _ in range(3):
             conn.send("run")
+            acknowledged = None
             while (entries := conn.recv()) is not None:
                 t0 = time.perf_counter()
+                if acknowledged is not None:
+                    stages["sender"].append(t0 - acknowledged)
                 payload = deserialize_payload(entries[0])
                 t1 = time.perf_counter()
                 named = unflatten_bucket(payload)
@@ -62,11 +65,13 @@ def main() -> None:
                 torch.cuda.synchronize()
                 t5 = time.perf_counter()
                 for key, value in zip(
-                    stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
+                    STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
                 ):
                     stages[key].append(value)
                 del payload, named
+                stages["release"].append(time.perf_counter() - t5)
                 conn.send(True)
+                acknowledged = time.perf_counter()
         conn.send("stop")
         sender.join()
         for stage, values in stages.items():
