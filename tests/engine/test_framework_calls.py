@@ -2,7 +2,8 @@
 run against dormant's ``LLM`` on the tiny checkpoint, reading back the fields it reads.
 
 Sources read (snapshots of late 2026):
-- TRL ``trl/generation/vllm_generation.py`` (huggingface/trl@f2cd577),
+- TRL ``trl/generation/vllm_generation.py`` (trl 1.16.0 as released on PyPI, the version the
+  test extra pins),
 - verl ``verl/workers/rollout/vllm_rollout/vllm_async_server.py`` and
   ``verl/trainer/config/rollout/rollout.yaml`` (volcengine/verl@b178a3c),
 - OpenRLHF ``openrlhf/trainer/ray/vllm_engine.py``, ``openrlhf/trainer/ppo_utils/
@@ -54,12 +55,12 @@ def assert_sampled_logprobs(completion, num_top: int) -> None:
 
 
 def test_trl_colocate(checkpoint: Path, tmp_path: Path) -> None:
-    """TRL GRPO, ``vllm_mode="colocate"``: ``LLM(...)`` as vllm_generation.py L351-368 builds
+    """TRL GRPO, ``vllm_mode="colocate"``: ``LLM(...)`` as vllm_generation.py L347-363 builds
     it (``distributed_executor_backend="external_launcher"``, so one torchrun rank),
-    ``SamplingParams(**generation_kwargs)`` of L613-634, ``generate(..., use_tqdm=False)`` of
-    L680 on ``{"prompt_token_ids": ids}`` rows, and the fields L682-683 and
+    ``SamplingParams(**generation_kwargs)`` of L662-683, ``generate(..., use_tqdm=False)`` of
+    L729 on ``{"prompt_token_ids": ids}`` rows (L716), and the fields L731 and
     ``extract_logprobs`` (L70-99) read: ``prompt_token_ids``, ``outputs[j].token_ids``, each
-    position's ``{token: Logprob}`` sorted by ``rank``; then ``sleep(level=2)`` (L702)."""
+    position's ``{token: Logprob}`` sorted by ``rank``; then ``sleep(level=2)`` (L751)."""
     script = tmp_path / "trl_rank.py"
     script.write_text(
         textwrap.dedent(f"""
