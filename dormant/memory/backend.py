@@ -40,6 +40,19 @@ class CopyBatch(Protocol):
     def wait_all(self) -> None: ...
 
 
+class HashBatch(Protocol):
+    """Content hashes computed asynchronously, one group of spans at a time.
+
+    ``add(spans)`` starts hashing a group where the memory lives and returns its index;
+    ``wait(i)`` returns group ``i``'s digests (≥128 bits each, one per span, in order) once they
+    are known. Groups are hashed in the order they were added, so the caller can work on the
+    first group's results while the device still hashes the next ones.
+    """
+
+    def add(self, spans: Sequence[Span]) -> int: ...
+    def wait(self, index: int) -> list[bytes]: ...
+
+
 class Backend(Protocol):
     """A device whose memory can be reserved, mapped, unmapped and released separately.
 
@@ -82,8 +95,8 @@ class Backend(Protocol):
     def view(self, va: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor: ...
     def fill(self, spans: Sequence[Span], value: int) -> None: ...
     def copy_batch(self) -> CopyBatch: ...
-    def content_hashes(self, spans: Sequence[Span]) -> list[bytes]:
-        """A ≥128-bit digest of each span's contents, computed where the memory lives."""
+    def hash_batch(self) -> HashBatch:
+        """Content hashes of device memory, computed where the memory lives (see HashBatch)."""
         ...
 
     def pin(self, address: int, size: int) -> None:

@@ -21,15 +21,17 @@ from dormant.memory.pool import Block, TagPool
 class BlockTable:
     """Invariant: ``_blocks`` holds exactly the blocks that are allocated and not yet freed."""
 
-    def __init__(self, backend: Backend, arena: HostArena, slab_bytes: int) -> None:
+    def __init__(
+        self, backend: Backend, arena: HostArena, slab_bytes: int, max_slab_bytes: int
+    ) -> None:
         self.backend = backend
         self.arena = arena
-        self._slab_bytes = slab_bytes
+        self._slab_bytes, self._max_slab_bytes = slab_bytes, max_slab_bytes
         self.pools: dict[str, TagPool] = {}
         self._blocks: dict[int, tuple[Block, AuditRecord]] = {}
 
     def add_tag(self, tag: str) -> None:
-        self.pools[tag] = TagPool(self.backend, tag, self._slab_bytes)
+        self.pools[tag] = TagPool(self.backend, tag, self._slab_bytes, self._max_slab_bytes)
 
     def allocations(self, tags: Iterable[str] | None = None) -> Iterator[Allocation]:
         for tag in self.pools if tags is None else tags:

@@ -55,9 +55,13 @@ class CudaBackend:
         self._warm_up_hash()
 
     def _warm_up_hash(self) -> None:
-        """Compiles the hash kernel now, so that the first sleep is not a compile (~1 s)."""
+        """Compiles the hash kernels now (one kernel serves every span count), and makes
+        torch's pinned host cache hold the buffers a hash uses, so that the first sleep is
+        neither a compile (~1 s) nor a pinned allocation."""
         scratch = torch.zeros(1024, dtype=torch.int32, device=self.device)
-        self.content_hashes([Span(scratch.data_ptr(), scratch.numel() * 4)])
+        spans = [Span(scratch.data_ptr(), 2048), Span(scratch.data_ptr() + 2048, 2048)]
+        hashes = self.hash_batch()
+        hashes.wait(hashes.add(spans))
 
     def _ensure_context(self) -> None:
         if not getattr(self._local, "has_context", False):
@@ -132,11 +136,9 @@ class CudaBackend:
         for stream in self._streams:
             call("cuStreamSynchronize", stream)
 
-    def content_hashes(self, spans: Sequence[Span]) -> list[bytes]:
-        from dormant.memory.cuda_hash import hash_spans
-
+    def hash_batch(self) -> _CudaHashes:
         self._ensure_context()
-        return hash_spans(spans, self.device)
+        return _CudaHashes(self.device)
 
     def pin(self, address: int, size: int) -> None:
         self._ensure_context()
@@ -146,6 +148,26 @@ class CudaBackend:
     def unpin(self, address: int, size: int) -> None:
         self._ensure_context()
         call("cuMemHostUnregister", address)
+
+
+class _CudaHashes:
+    """Each group is hashed by two kernel launches on torch's current stream; its digests come
+    back through a pinned buffer guarded by an event (cuda_hash.start_hashes)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from dormant.memory.cuda_hash import PendingHashes
+
+        self._device = device
+        self._groups: list[PendingHashes] = []
+
+    def add(self, spans: Sequence[Span]) -> int:
+        from dormant.memory.cuda_hash import start_hashes
+
+        self._groups.append(start_hashes(spans, self._device))
+        return len(self._groups) - 1
+
+    def wait(self, index: int) -> list[bytes]:
+        return self._groups[index].result()
 
 
 class _EventPool:

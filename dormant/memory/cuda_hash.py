@@ -20,6 +20,11 @@ giving a 128-bit digest. Why these, and what they guarantee:
 All spans are hashed by one kernel launch, one program per 64 KiB; each program finds its span by
 a binary search of a per-span table (so nothing per program is built on the host). A second kernel
 adds up each span's programs, and the digests come back in one small copy.
+
+One compiled kernel serves every sleep: the number of spans is a runtime argument that Triton is
+told not to specialise on, and the search always takes ``SEARCH_STEPS`` steps (a step past the
+table's end is masked). Before, both were compile-time constants, so the first sleep of every
+new span count compiled a kernel (0.14 s in the 2026-12-01 first sleep of 195 spans).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from dormant.memory.dlpack import tensor_at
 _BLOCK = 1024  # words per tile
 _WORDS_PER_PROGRAM = 16 * _BLOCK  # each program hashes 64 KiB
 SPAN_SUM_BLOCK = 256  # programs added per step by the span-sum kernel
+SEARCH_STEPS = 20  # binary-search steps: up to 2**20 - 1 spans per launch
+MAX_SPANS = (1 << SEARCH_STEPS) - 1
 
 
 @triton.jit
@@ -49,19 +56,19 @@ def _fmix32(h):
     return h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_spans"])
 def _hash_kernel(
-    base, spans, out, NUM_SPANS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    base, spans, out, num_spans, SEARCH_STEPS: tl.constexpr,
     WORDS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # ``spans`` rows: (first word relative to ``base``, number of words, first program). This
     # program's span is the last whose first program is <= pid: a binary search of the table.
     lo = 0
-    hi = NUM_SPANS
+    hi = num_spans
     for _ in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
-        is_right = (mid < hi) & (tl.load(spans + mid * 3 + 2, mask=mid < NUM_SPANS) <= pid)
+        is_right = (mid < hi) & (tl.load(spans + mid * 3 + 2, mask=mid < num_spans) <= pid)
         lo = tl.where(is_right, mid, lo)
         hi = tl.where(is_right, hi, mid)
     first = (pid - tl.load(spans + lo * 3 + 2)) * WORDS_PER_PROGRAM  # position in the span
@@ -114,7 +121,9 @@ def _span_sum_kernel(
 def span_table(spans: Sequence[Span], base: int) -> tuple[np.ndarray, int]:
     """Rows of (first word relative to ``base``, number of words, first program), one per span
     (int64), and the number of 64 KiB programs. Raises ValueError for an empty or misaligned
-    span."""
+    span, or for more than ``MAX_SPANS`` spans."""
+    if len(spans) > MAX_SPANS:
+        raise ValueError(f"content hash takes at most {MAX_SPANS} spans a launch, got {len(spans)}")
     addresses = np.fromiter((s.address for s in spans), dtype=np.int64, count=len(spans))
     sizes = np.fromiter((s.nbytes for s in spans), dtype=np.int64, count=len(spans))
     is_bad = (
@@ -131,24 +140,53 @@ def span_table(spans: Sequence[Span], base: int) -> tuple[np.ndarray, int]:
     return rows, int(num_programs.sum())
 
 
-def hash_spans(
+class PendingHashes:
+    """Digests being computed on the device: ``result()`` waits for them (an event) and returns
+    one 16-byte digest per span. Holds the pinned buffers the copies use until then."""
+
+    def __init__(self, table_host: torch.Tensor, digests_host: torch.Tensor) -> None:
+        self._buffers = (table_host, digests_host)
+        self._event: torch.cuda.Event | None = None
+        if digests_host.numel():
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> list[bytes]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [row.tobytes() for row in self._buffers[1].numpy().view(np.uint32)]
+
+
+def start_hashes(
     spans: Sequence[Span], device: torch.device, base: torch.Tensor | None = None
-) -> list[bytes]:
-    """A 128-bit digest of each span of device memory: a 24-byte-per-span upload, two kernels,
-    one 16-byte-per-span download.
+) -> PendingHashes:
+    """Starts hashing each span of device memory on the current stream and returns at once: a
+    24-byte-per-span upload and a 16-byte-per-span download (both pinned and asynchronous, so
+    that launching the next group never waits for this one), and two kernels.
 
     ``base`` is the pointer argument every span is addressed relative to; by default an int32
     view at the lowest span address (tests pass a tensor covering every span instead).
     Precondition: every span is non-empty and 16-byte aligned.
     """
+    empty = torch.empty((0, 4), dtype=torch.int32)
     if not spans:
-        return []
+        return PendingHashes(empty, empty)
     if base is None:
         base = tensor_at(min(s.address for s in spans), 16, device, _nothing).view(torch.int32)
     rows, num_programs = span_table(spans, base.data_ptr())
-    table = torch.from_numpy(rows).to(device)
+    table_host = torch.from_numpy(rows).pin_memory()
+    table = table_host.to(device, non_blocking=True)
     partials = launch(base, table, num_programs)
-    return [row.tobytes() for row in span_sums(partials, table).cpu().numpy().view(np.uint32)]
+    digests_host = torch.empty((len(spans), 4), dtype=torch.int32, pin_memory=True)
+    digests_host.copy_(span_sums(partials, table), non_blocking=True)
+    return PendingHashes(table_host, digests_host)
+
+
+def hash_spans(
+    spans: Sequence[Span], device: torch.device, base: torch.Tensor | None = None
+) -> list[bytes]:
+    """A 128-bit digest of each span of device memory (``start_hashes``, waited for)."""
+    return start_hashes(spans, device, base).result()
 
 
 def launch(base: torch.Tensor, table: torch.Tensor, num_programs: int) -> torch.Tensor:
@@ -157,7 +195,7 @@ def launch(base: torch.Tensor, table: torch.Tensor, num_programs: int) -> torch.
     partials = torch.empty((num_programs, 4), dtype=torch.int32, device=table.device)
     num_spans = len(table)
     _hash_kernel[(num_programs,)](
-        base, table, partials, NUM_SPANS=num_spans, SEARCH_STEPS=max(num_spans.bit_length(), 1),
+        base, table, partials, num_spans, SEARCH_STEPS=SEARCH_STEPS,
         WORDS_PER_PROGRAM=_WORDS_PER_PROGRAM, BLOCK=_BLOCK,
     )  # fmt: skip
     return partials

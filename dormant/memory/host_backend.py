@@ -158,12 +158,8 @@ class HostBackend:
     def copy_batch(self) -> _ImmediateCopies:
         return _ImmediateCopies()
 
-    def content_hashes(self, spans: Sequence[Span]) -> list[bytes]:
-        digests = []
-        for span in spans:
-            buffer = (ctypes.c_char * span.nbytes).from_address(span.address)
-            digests.append(hashlib.blake2b(memoryview(buffer), digest_size=16).digest())
-        return digests
+    def hash_batch(self) -> _ImmediateHashes:
+        return _ImmediateHashes()
 
     def pin(self, address: int, size: int) -> None:
         """Host memory needs no registration."""
@@ -189,6 +185,24 @@ class _ImmediateCopies:
 
     def wait_all(self) -> None:
         """Every copy already landed."""
+
+
+class _ImmediateHashes:
+    """Host hashes (BLAKE2b, 128 bits) are computed when a group is added."""
+
+    def __init__(self) -> None:
+        self._groups: list[list[bytes]] = []
+
+    def add(self, spans: Sequence[Span]) -> int:
+        digests = []
+        for span in spans:
+            buffer = (ctypes.c_char * span.nbytes).from_address(span.address)
+            digests.append(hashlib.blake2b(memoryview(buffer), digest_size=16).digest())
+        self._groups.append(digests)
+        return len(self._groups) - 1
+
+    def wait(self, index: int) -> list[bytes]:
+        return self._groups[index]
 
 
 def _checked(call: str, function: Callable[..., _T], *args: object) -> _T:

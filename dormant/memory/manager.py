@@ -15,7 +15,7 @@ import torch
 from dormant.memory import device_slots
 from dormant.memory.adopt import Shape, adopt_module, pack_views, tensor_specs
 from dormant.memory.allocation import Kind
-from dormant.memory.arena import HostArena
+from dormant.memory.arena import ArenaPreparation, HostArena
 from dormant.memory.audit import AuditReport, make_report
 from dormant.memory.backend import Backend
 from dormant.memory.backends import open_backend
@@ -33,7 +33,7 @@ from dormant.memory.policy import (
 )
 from dormant.memory.pool import BLOCK_ALIGNMENT, Block
 from dormant.memory.serial import SerialSection
-from dormant.memory.sleep_wake import sleep_tags, wake_tags
+from dormant.memory.sleep_wake import prepare_host_copies, sleep_tags, wake_tags
 from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
 from dormant.memory.status_report import build_status
@@ -51,7 +51,9 @@ class MemoryManager:
         keep_arena: keep the pinned host arena across cycles (default); False releases it after
             each wake that leaves nothing offloaded.
         skip_unchanged: do not copy HOST memory whose content hash matches its arena copy.
-        slab_bytes: size of the per-tag slabs that small blocks are carved from.
+        slab_bytes: the smallest slab that small blocks are carved from (see pool.py).
+        max_slab_bytes: the largest slab; blocks below 1/16 of it share slabs, so that many
+            small allocations (graph pools, capture scopes) sleep and wake as few handles.
         host_capacity: capacity of the host backend in bytes (tests use it to provoke OOM).
         arena_chunk_bytes: the size the host arena grows by (a region larger than it gets its own).
     """
@@ -65,6 +67,7 @@ class MemoryManager:
         keep_arena: bool = True,
         skip_unchanged: bool = True,
         slab_bytes: int = 2 << 20,
+        max_slab_bytes: int = 512 << 20,
         host_capacity: int | None = None,
         arena_chunk_bytes: int = 1 << 30,
     ) -> None:
@@ -74,7 +77,7 @@ class MemoryManager:
         self.keep_arena, self.skip_unchanged = keep_arena, skip_unchanged
         self.arena = HostArena(self.backend, chunk_bytes=arena_chunk_bytes)
         self._user_tags: dict[str, dict[int, Policy]] = {}
-        self._table = BlockTable(self.backend, self.arena, slab_bytes)
+        self._table = BlockTable(self.backend, self.arena, slab_bytes, max_slab_bytes)
         for tag in BUILTIN_TAGS:
             self._table.add_tag(tag)
         self._guard = PointerGuard()
@@ -243,6 +246,24 @@ class MemoryManager:
                 self._table, names, poison=self.poison, keep_arena=self.keep_arena
             )
             return self.last_wake
+
+    def prepare_arena(
+        self,
+        level: int | None = None,
+        *,
+        tags: Mapping[str, Policy | str] | None = None,
+        num_threads: int = 0,
+    ) -> ArenaPreparation:
+        """Starts pinning host memory, in background threads, for what ``sleep`` with the same
+        ``level`` (or ``tags``) would offload now, so that the first such sleep only copies;
+        returns at once. A sleep that comes first waits for it. Call it once the sleepable
+        memory exists (an engine: after loading the model and capturing its graphs). A failed
+        preparation changes nothing: ``wait()`` on it raises, and the next sleep grows the arena.
+        """
+        request = sleep_request(level, tags, self._user_tags)
+        with self._op():
+            self._check_tags(request)
+            return prepare_host_copies(self._table, request, num_threads)
 
     # ── status and lifetime ───────────────────────────────────────────────────────────────────
     def status(self) -> MemoryStatus:

@@ -1,8 +1,20 @@
-"""The memory of one tag: dedicated allocations for large blocks, slabs for small ones.
+"""The memory of one tag: few large physical handles, each carved into many blocks.
 
-A *block* is what one frontend call gets: one tensor storage. Blocks of at least a quarter slab
-get an allocation of their own (few, large handles); smaller ones are carved out of a per-tag slab
-instead of costing a 2 MiB handle each.
+A *block* is what one frontend call gets: one tensor storage, or one ``raw_alloc`` (a segment of
+a CUDA-graph pool or a capture scope). Sleep and wake cost driver calls per *allocation* (one
+physical handle each: ~45 µs of unmap + release from Python, the same again for create + map), so
+small blocks are coalesced: every block below ``coalesce_limit`` is carved out of a *slab*, an
+allocation shared with other blocks of its tag. 4096 blocks of 2 MiB then sleep as ~80 handles.
+
+Slab sizes grow with the tag::
+
+    new slab = clamp(pow2_floor(bytes already in this tag's slabs / SLAB_GROWTH),
+                     slab_bytes, max_slab_bytes), or the block's own size if that is larger
+
+so a tag never holds more than 1/SLAB_GROWTH of its slab bytes in a slab it has only begun to
+fill, plus what freed blocks leave behind (a slab's physical memory returns only once all of its
+blocks are gone). Blocks of at least ``coalesce_limit`` = max_slab_bytes / 16 get an allocation
+of their own: at most 1/16 of a slab is then lost at its end to a block that did not fit.
 """
 
 from __future__ import annotations
@@ -14,6 +26,8 @@ from dormant.memory.backend import Backend
 from dormant.memory.ranges import RangeAllocator, align_up
 
 BLOCK_ALIGNMENT = 256
+SLAB_GROWTH = 8
+COALESCE_FRACTION = 16
 
 
 @dataclass(eq=False)
@@ -37,22 +51,33 @@ class Block:
 class TagPool:
     """Allocations of one tag. Invariant: every slab's allocation is in ``allocations``."""
 
-    def __init__(self, backend: Backend, tag: str, slab_bytes: int) -> None:
+    def __init__(
+        self, backend: Backend, tag: str, slab_bytes: int, max_slab_bytes: int | None = None
+    ) -> None:
         self._backend = backend
         self.tag = tag
         self.slab_bytes = align_up(slab_bytes, backend.granularity)
+        largest = self.slab_bytes if max_slab_bytes is None else max_slab_bytes
+        self.max_slab_bytes = max(align_up(largest, backend.granularity), self.slab_bytes)
         self.allocations: list[Allocation] = []
         self._slabs: list[Slab] = []
 
     @property
-    def small_limit(self) -> int:
-        """Blocks below this many bytes go to a slab."""
-        return self.slab_bytes // 4
+    def coalesce_limit(self) -> int:
+        """Blocks below this many bytes are carved from slabs."""
+        return max(self.max_slab_bytes // COALESCE_FRACTION, self.slab_bytes // 4)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in live blocks (the rest of ``allocations`` is slab space nobody uses)."""
+        in_slabs = {id(s.allocation) for s in self._slabs}
+        own = sum(a.size for a in self.allocations if id(a) not in in_slabs)
+        return own + sum(s.ranges.allocated_bytes for s in self._slabs)
 
     def allocate(self, nbytes: int, kind: Kind) -> Block:
         """A new block of ``nbytes``; OutOfMemoryError (changing nothing) if memory is short."""
-        if nbytes < self.small_limit:
-            return self._allocate_small(nbytes, kind)
+        if nbytes < self.coalesce_limit:
+            return self._allocate_in_slab(nbytes, kind)
         allocation = create_allocation(self._backend, self.tag, nbytes, kind)
         self.allocations.append(allocation)
         return Block(allocation.va, nbytes, kind, allocation, None)
@@ -72,12 +97,20 @@ class TagPool:
         self._slabs.remove(block.slab)
         return block.slab.allocation
 
-    def _allocate_small(self, nbytes: int, kind: Kind) -> Block:
-        for slab in self._slabs:
+    def next_slab_bytes(self, nbytes: int) -> int:
+        """The size of the slab a block of ``nbytes`` that fits in no slab would get."""
+        held = sum(s.allocation.size for s in self._slabs)
+        grown = 1 << max((held // SLAB_GROWTH).bit_length() - 1, 0)  # read now: tests set it
+        size = min(max(grown, self.slab_bytes), self.max_slab_bytes)
+        return max(align_up(size, self._backend.granularity), align_up(nbytes, BLOCK_ALIGNMENT))
+
+    def _allocate_in_slab(self, nbytes: int, kind: Kind) -> Block:
+        for slab in self._slabs:  # first fit: gaps left by larger blocks fill with smaller ones
             offset = slab.ranges.allocate(nbytes)
             if offset is not None:
                 return Block(slab.allocation.va + offset, nbytes, kind, slab.allocation, slab)
-        allocation = create_allocation(self._backend, self.tag, self.slab_bytes, Kind.SLAB)
+        size = self.next_slab_bytes(nbytes)
+        allocation = create_allocation(self._backend, self.tag, size, Kind.SLAB)
         slab = Slab(allocation, RangeAllocator(allocation.size, BLOCK_ALIGNMENT))
         self.allocations.append(allocation)
         self._slabs.append(slab)

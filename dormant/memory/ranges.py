@@ -25,6 +25,7 @@ class RangeAllocator:
         self._free_starts: list[int] = [0]
         self._free_ends: list[int] = [size]
         self._allocated: dict[int, int] = {}
+        self._allocated_bytes = 0
 
     @property
     def num_allocated(self) -> int:
@@ -32,7 +33,7 @@ class RangeAllocator:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(self._allocated.values())
+        return self._allocated_bytes
 
     @property
     def is_empty(self) -> bool:
@@ -41,6 +42,8 @@ class RangeAllocator:
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a new span of ``nbytes`` (rounded to the alignment), or None if full."""
         need = align_up(max(nbytes, 1), self.alignment)
+        if self.size - self._allocated_bytes < need:
+            return None  # cheap refusal: a full range is asked first-fit by every new block
         for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends, strict=True)):
             if end - start >= need:
                 if end - start == need:
@@ -48,6 +51,7 @@ class RangeAllocator:
                 else:
                     self._free_starts[i] = start + need
                 self._allocated[start] = need
+                self._allocated_bytes += need
                 return start
         return None
 
@@ -55,6 +59,7 @@ class RangeAllocator:
         """Returns the span at ``offset``; raises KeyError if it is not allocated."""
         start = offset
         end = start + self._allocated.pop(offset)
+        self._allocated_bytes -= end - start
         i = bisect.bisect_left(self._free_starts, start)
         merges_left = i > 0 and self._free_ends[i - 1] == start
         merges_right = i < len(self._free_starts) and self._free_starts[i] == end

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
+from dormant.memory.arena import ArenaPreparation
 from dormant.memory.audit import check_strict
 from dormant.memory.blocks import BlockTable
 from dormant.memory.errors import DriverError, SleepFailedError, WakeFailedError
@@ -51,3 +52,18 @@ def wake_tags(
     if not keep_arena:
         table.drop_host_copies()
     return replace(report, tags=tuple(waking))
+
+
+def prepare_host_copies(
+    table: BlockTable, request: Mapping[str, Policy], num_threads: int
+) -> ArenaPreparation:
+    """Starts growing the arena (in the background) for the allocations of ``request``'s HOST
+    tags that have no arena region yet."""
+    sizes = [
+        a.size
+        for tag, policy in request.items()
+        if policy is Policy.HOST
+        for a in table.pools[tag].allocations
+        if a.region is None
+    ]
+    return table.arena.prepare(sizes, num_threads)

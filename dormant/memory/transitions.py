@@ -7,11 +7,14 @@ record every step as soon as it lands, and report timings.
 Sleep::
 
     synchronize the device           never copy or unmap under running kernels
-    place host copies in the arena   (may grow it: an error here changes nothing)
-    hash MAPPED HOST allocations     unchanged since their last offload → no copy
-    start the D2H copies             one per stale allocation, asynchronous; each one's host
-                                     copy is marked invalid before its copy starts
-    release DISCARD + unchanged      while the copies run
+    place host copies in the arena   (may grow it, or wait for its background preparation: an
+                                     error here changes nothing)
+    start hashing MAPPED HOST        in groups of about 1/8 of the bytes, largest first, all
+    allocations                      launched at once (hash_groups)
+    per group, once its hashes land  start the D2H copy of each stale allocation (asynchronous;
+                                     its host copy is marked invalid first), then release each
+                                     unchanged one, while the device hashes the next groups
+    release DISCARD                  while the copies run
     release each stale allocation    as soon as its own copy has landed (host copy now valid)
 
 Releasing one allocation is two recorded steps: unmap (→ UNMAPPED, handle kept), then release
@@ -48,6 +51,8 @@ from dormant.memory.policy import Policy
 from dormant.memory.status import SleepReport, WakeReport
 
 POISON_BYTE = 0xFF
+HASH_GROUPS = 8  # a sleep hashes its HOST allocations in about this many groups,
+HASH_GROUP_MIN_BYTES = 64 << 20  # each of at least this many bytes (read at each sleep)
 _WAKE_ORDER = {State.OFFLOADED: 0, State.UNMAPPED: 1, State.DISCARDED: 2}
 
 
@@ -77,23 +82,26 @@ def sleep_allocations(
             allocation.region, allocation.has_host_copy, allocation.digest = region, False, None
     t_arena = time.perf_counter()
 
-    mapped = [a for a in host if a.state is State.MAPPED]
-    digests: list[bytes | None] = [None] * len(mapped)
-    if skip_unchanged and mapped:
-        digests = list(backend.content_hashes([a.span for a in mapped]))
-    t_hash = time.perf_counter()
-
-    stale = [(a, d) for a, d in zip(mapped, digests, strict=True) if _is_stale(a, d)]
-    stale_ids = {id(a) for a, _ in stale}
+    groups = hash_groups([a for a in host if a.state is State.MAPPED])
+    hashes = _Hashes(backend, groups if skip_unchanged else [])
+    stale: list[tuple[Allocation, bytes | None]] = []
     batch = backend.copy_batch()
     try:
-        for allocation, _ in stale:
-            allocation.has_host_copy, allocation.digest = False, None  # being overwritten
-            batch.add(Copy(_region(allocation).address, allocation.va, allocation.size))
+        for index, group in enumerate(groups):  # largest first; later groups hash meanwhile
+            unchanged = []
+            for allocation, digest in zip(group, hashes.wait(index, len(group)), strict=True):
+                if _is_stale(allocation, digest):
+                    allocation.has_host_copy, allocation.digest = False, None  # overwritten
+                    batch.add(Copy(_region(allocation).address, allocation.va, allocation.size))
+                    stale.append((allocation, digest))
+                else:
+                    unchanged.append(allocation)
+            for allocation in unchanged:
+                _release(backend, allocation, Policy.HOST)
         for allocation in discard:
             _release(backend, allocation, Policy.DISCARD)
         for allocation in host:
-            if id(allocation) not in stale_ids:
+            if allocation.state is State.UNMAPPED:  # a failed sleep's: its copy is valid
                 _release(backend, allocation, Policy.HOST)
         for index, (allocation, digest) in enumerate(stale):
             batch.wait(index)
@@ -111,12 +119,50 @@ def sleep_allocations(
         total_s=t_end - t0,
         sync_s=t_sync - t0,
         arena_s=t_arena - t_sync,
-        hash_s=t_hash - t_arena,
-        copy_s=t_end - t_hash,  # copies, with the releases overlapped under them
+        hash_s=hashes.seconds,  # launching, and waiting for results not ready yet
+        copy_s=t_end - t_arena - hashes.seconds,  # copies, releases overlapped under them
         bytes_copied=copied,
-        bytes_skipped=sum(a.size for a in mapped) - copied,
+        bytes_skipped=sum(a.size for group in groups for a in group) - copied,
         bytes_released=sum(a.size for a in (*host, *discard)),
     )
+
+
+def hash_groups(allocations: Sequence[Allocation]) -> list[list[Allocation]]:
+    """``allocations``, largest first, cut into about ``HASH_GROUPS`` groups of similar bytes
+    (at least ``HASH_GROUP_MIN_BYTES`` each): hashed one group at a time, so that the first
+    group's copies start, and its unchanged allocations are released, while the others hash."""
+    ordered = sorted(allocations, key=lambda a: -a.size)
+    target = max(sum(a.size for a in ordered) // HASH_GROUPS, HASH_GROUP_MIN_BYTES)
+    groups: list[list[Allocation]] = []
+    size = target
+    for allocation in ordered:
+        if size >= target:
+            groups.append([])
+            size = 0
+        groups[-1].append(allocation)
+        size += allocation.size
+    return groups
+
+
+class _Hashes:
+    """The content hashes of ``groups``, all started at once (none when ``groups`` is empty:
+    then every digest is None, and every allocation is copied)."""
+
+    def __init__(self, backend: Backend, groups: Sequence[Sequence[Allocation]]) -> None:
+        start = time.perf_counter()
+        self._batch = backend.hash_batch() if groups else None
+        for group in groups:
+            assert self._batch is not None
+            self._batch.add([a.span for a in group])
+        self.seconds = time.perf_counter() - start
+
+    def wait(self, index: int, count: int) -> list[bytes | None]:
+        if self._batch is None:
+            return [None] * count
+        start = time.perf_counter()
+        digests: list[bytes | None] = list(self._batch.wait(index))
+        self.seconds += time.perf_counter() - start
+        return digests
 
 
 def wake_allocations(

@@ -10,10 +10,14 @@ segfault is that case's failure and never the runner's. One JSON line per case g
 assertion, with its traceback) or ``crashed`` (a signal). The first line is
 ``{"phases": {method: [the step kind of each call]}, "dry_run", "detail"}``.
 
-The scenario (``Scenario.run``): weights HOST at level 1 in several allocations (three of their own
-and slabs of small blocks), kv_cache DISCARD, runtime HOST, a user tag; level 1, wake, level 2,
-wake (then refit), ``sleep(tags=...)``, a wake of one tag, a wake of the rest. Poison mode is on, so
-the wake fills are exercised. After every step, and after every failure, ``check_truth`` compares
+The scenario (``Scenario.run``): weights HOST at level 1 in several allocations (two of their own
+and slabs of small blocks), kv_cache DISCARD, runtime HOST, a user tag, and cuda_graph's many small
+blocks coalesced into a few growing slabs (pool.py; SLAB_GROWTH is set to 1 here, so that a
+handful of blocks already grow a slab); the arena prepared in the background for weights and
+cuda_graph (its pins can fail too; the next sleep then grows the arena itself); level 1, wake,
+level 2, wake (then refit), ``sleep(tags=...)``, a wake of one tag, a wake of the rest. Hashes go
+in groups of 64 KiB here, so a sleep hashes several groups. Poison mode is on, so the wake fills
+are exercised. After every step, and after every failure, ``check_truth`` compares
 the manager's records with what the host backend has; after every wake each awake tensor is read
 and every tensor whose contents were preserved must be bit-exact; at the end everything is freed
 and the backend must be back at no handle, no mapping, no reservation and no pinned chunk.
@@ -32,22 +36,33 @@ from typing import Any
 
 import torch
 
-from dormant.memory import MemoryManager, Policy, SleepFailedError, TagState, WakeFailedError
+from dormant.memory import (
+    DriverError,
+    MemoryManager,
+    Policy,
+    SleepFailedError,
+    TagState,
+    WakeFailedError,
+    pool,
+    transitions,
+)
 from dormant.memory.host_backend import HostBackend
 from dormant.memory.policy import sleep_request
 from tests.memory.faults import COUNTED, FaultyBackend, check_truth
 
 KiB = 1 << 10
 VARIANTS = ("retry", "wake")
-SLEEP, WAKE = "sleep", "wake"
-# Small sizes on a 64 KiB granularity: every case is milliseconds.
+SLEEP, WAKE, PREPARE = "sleep", "wake", "prepare"
+# Small sizes on a 64 KiB granularity: every case is milliseconds. Blocks below 64 KiB share slabs.
 SIZES = {
-    "weights": [100 * KiB, 200 * KiB] + [1000 + 2500 * i for i in range(8)],  # 2 slabs
+    "weights": [100 * KiB, 200 * KiB] + [1000 + 2500 * i for i in range(8)],  # 2 own, 2 slabs
     "kv_cache": [100 * KiB, 100 * KiB],
     "runtime": [4 * KiB, 300, 8 * KiB, 64, 2 * KiB],
     "adapter": [50 * KiB],
+    "cuda_graph": [20 * KiB] * 10,  # slabs of 64, 64 and 128 KiB (3, 3 and 4 blocks)
 }
 STEPS: list[tuple[str, Mapping[str, Any]]] = [
+    (PREPARE, {"tags": {"weights": "host", "cuda_graph": "host"}}),
     (SLEEP, {"level": 1}),
     (WAKE, {}),
     (SLEEP, {"level": 2}),
@@ -72,7 +87,11 @@ class Scenario:
     def __init__(self, expected: dict[str, list[torch.Tensor]]) -> None:
         self.backend = FaultyBackend(HostBackend(granularity=64 * KiB))
         self.mm = MemoryManager(
-            self.backend, poison=True, slab_bytes=64 * KiB, arena_chunk_bytes=128 * KiB
+            self.backend,
+            poison=True,
+            slab_bytes=64 * KiB,
+            max_slab_bytes=1 << 20,
+            arena_chunk_bytes=128 * KiB,
         )
         self.mm.register_tag("adapter", levels={1: "host", 2: "host"})
         self.expected = expected
@@ -93,6 +112,8 @@ class Scenario:
             self.backend.phase = kind
             if kind == SLEEP:
                 self.sleep(arguments, variant)
+            elif kind == PREPARE:
+                self.prepare(arguments)
             else:
                 self.wake(arguments)
             check_truth(self.mm, self.backend)
@@ -118,6 +139,15 @@ class Scenario:
         for tag, policy in request.items():
             asleep = want.get(policy, TagState.AWAKE) if tag in self.tensors else TagState.AWAKE
             assert states[tag] is asleep, (tag, states[tag])
+
+    def prepare(self, arguments: Mapping[str, Any]) -> None:
+        """Prepares the arena in one background thread (so that the calls count in order)."""
+        preparation = self.mm.prepare_arena(**arguments, num_threads=1)
+        try:
+            preparation.wait()
+        except DriverError as error:
+            self.after_failure(error, "prepare")
+            assert preparation.nbytes and self.mm.arena.capacity_bytes == 0, "a partial arena"
 
     def wake(self, arguments: Mapping[str, Any]) -> None:
         before = self.mm.tag_states()
@@ -209,6 +239,8 @@ def finish_child(read_end: int, status: int) -> dict[str, Any]:
 
 def main(methods: list[str]) -> int:
     torch.set_num_threads(1)  # forked children must not inherit a thread pool
+    pool.SLAB_GROWTH = 1  # every new slab as large as the tag's slabs together
+    transitions.HASH_GROUP_MIN_BYTES = 64 * KiB
     expected = expected_bytes()
     gc.freeze()  # the children's collections then skip everything imported here (torch's heap)
     pid, read_end = start_child(partial(run_case, expected, None, 0, "retry"))

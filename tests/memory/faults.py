@@ -3,7 +3,9 @@
 ``FaultyBackend`` wraps a ``HostBackend``. Once armed with ``arm(method, k)``, it counts the calls
 of every method in ``COUNTED`` and makes the k-th call of ``method`` raise ``DriverError`` before
 doing anything (a failed driver call does not do its work), once. The copy batch's methods count
-as ``"copy_batch.add"``, ``"copy_batch.wait"`` and ``"copy_batch.wait_all"``.
+as ``"copy_batch.add"``, ``"copy_batch.wait"`` and ``"copy_batch.wait_all"``, the hash batch's as
+``"hash_batch.add"`` and ``"hash_batch.wait"``. Counting is thread-safe: the arena pins from
+background threads.
 
 ``check_truth(mm)`` compares what the manager says about every allocation (and what ``status()``
 says about every tag) with what the host backend really has: live handles, mapped ranges and
@@ -12,6 +14,7 @@ reservations.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,14 +22,15 @@ from typing import Any
 import torch
 
 from dormant.memory import DriverError, MemoryManager, State, TagState
-from dormant.memory.backend import Copy
+from dormant.memory.backend import Copy, Span
 from dormant.memory.host_backend import HostBackend
 from dormant.memory.tag_machine import tag_state
 
 # Every backend call that sleep and wake make (the host backend has no separate set-access).
 COUNTED = (
     "synchronize",
-    "content_hashes",
+    "hash_batch.add",
+    "hash_batch.wait",
     "pin",
     "copy_batch.add",
     "copy_batch.wait",
@@ -50,6 +54,7 @@ class FaultyBackend:
         self.is_counting = False
         self.num_pinned = 0  # pins minus unpins that landed: chunks the arena still holds
         self._fault: tuple[str, int] | None = None
+        self._lock = threading.Lock()
 
     def arm(self, method: str | None = None, k: int = 0) -> None:
         """Starts counting calls from zero; the ``k``-th call of ``method`` (if given) fails."""
@@ -69,13 +74,15 @@ class FaultyBackend:
 
     def tick(self, method: str) -> None:
         """Counts a call of ``method``; raises if it is the one that must fail."""
-        if not self.is_counting:
-            return
-        self.calls[method] += 1
-        self.phases.setdefault(method, []).append(self.phase)
-        if self._fault == (method, self.calls[method]):
+        with self._lock:
+            if not self.is_counting:
+                return
+            self.calls[method] += 1
+            self.phases.setdefault(method, []).append(self.phase)
+            if self._fault != (method, self.calls[method]):
+                return
             self._fault = None
-            raise DriverError(f"{method}: injected failure at call {self.calls[method]}")
+        raise DriverError(f"{method}: injected failure at call {self.calls[method]}")
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self.inner, name)
@@ -91,14 +98,19 @@ class FaultyBackend:
     def copy_batch(self) -> _FaultyCopies:
         return _FaultyCopies(self, self.inner.copy_batch())
 
+    def hash_batch(self) -> _FaultyHashes:
+        return _FaultyHashes(self, self.inner.hash_batch())
+
     def pin(self, address: int, size: int) -> None:
         self.tick("pin")
         self.inner.pin(address, size)
-        self.num_pinned += 1
+        with self._lock:
+            self.num_pinned += 1
 
     def unpin(self, address: int, size: int) -> None:
         self.inner.unpin(address, size)
-        self.num_pinned -= 1
+        with self._lock:
+            self.num_pinned -= 1
 
 
 class _FaultyCopies:
@@ -116,6 +128,19 @@ class _FaultyCopies:
     def wait_all(self) -> None:
         self._backend.tick("copy_batch.wait_all")
         self._inner.wait_all()
+
+
+class _FaultyHashes:
+    def __init__(self, backend: FaultyBackend, inner: Any) -> None:
+        self._backend, self._inner = backend, inner
+
+    def add(self, spans: Sequence[Span]) -> int:
+        self._backend.tick("hash_batch.add")
+        return int(self._inner.add(spans))
+
+    def wait(self, index: int) -> list[bytes]:
+        self._backend.tick("hash_batch.wait")
+        return list(self._inner.wait(index))
 
 
 def check_truth(mm: MemoryManager, backend: FaultyBackend) -> None:

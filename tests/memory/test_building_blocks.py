@@ -100,10 +100,13 @@ def test_host_backend_copies_fills_and_hashes() -> None:
     assert torch.equal(src, dst)
     backend.fill([Span(dst.data_ptr(), 8)], 0xFF)
     assert dst[0] == -1 and dst[1] == -1 and dst[2] == 2
-    h1, h2 = backend.content_hashes([Span(src.data_ptr(), 4096), Span(dst.data_ptr(), 4096)])
-    assert len(h1) == 16 and h1 != h2
+    hashes = backend.hash_batch()
+    first = hashes.add([Span(src.data_ptr(), 4096), Span(dst.data_ptr(), 4096)])
     dst[:2] = src[:2]
-    assert backend.content_hashes([Span(dst.data_ptr(), 4096)])[0] == h1
+    second = hashes.add([Span(dst.data_ptr(), 4096)])
+    h1, h2 = hashes.wait(first)
+    assert len(h1) == 16 and h1 != h2
+    assert hashes.wait(second) == [h1]  # each group's digests are of when it was added
 
 
 def test_arena_places_regions_and_grows_once() -> None:

@@ -129,10 +129,11 @@ def test_a_failed_wake_rolls_back_and_the_next_wake_succeeds(
 
 
 def test_an_offloaded_allocation_without_a_host_copy_is_reported_lost(
-    mm: MemoryManager, faulty: FaultyBackend
+    faulty: FaultyBackend,
 ) -> None:
     """Unreachable with the sleep order, so the state is built directly: the wake must say which
     bytes it could not restore, and hand back zeroes rather than stale arena bytes."""
+    mm = MemoryManager(faulty, max_slab_bytes=2 * MiB)  # 3 MiB: an allocation of its own
     w = mm.empty((3 * MiB,), torch.uint8, "weights")
     table = mm.empty((1000,), torch.uint8, "weights")
     random_fill(w, 6)
@@ -145,6 +146,8 @@ def test_an_offloaded_allocation_without_a_host_copy_is_reported_lost(
     assert "LOST" in mm.status().table()
     assert int(w.max()) == 0 and same_bytes(table, expected_table)
     assert mm.sleep(level=1).bytes_copied == 4 * MiB  # no valid copy: copied again; the slab not
+    del w, table
+    mm.close()
 
 
 def test_transition_errors_travel_between_processes() -> None:
