@@ -121,8 +121,9 @@ async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> dict[s
 # ── SGLang ───────────────────────────────────────────────────────────────────────────────────
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> dict[str, Any]:
+    """SGLang's, on both of its methods (slime calls it with GET before every release)."""
     await _serving(request).engine.reset_prefix_cache()
     return {**OK, "message": "Cache flushed."}
 

@@ -12,7 +12,12 @@ from dormant.server.protocol import Strict, TokenIds
 
 
 class SGLangSamplingParams(Strict):
-    """SGLang's ``sampling_params`` dict, mapped onto vLLM's names."""
+    """SGLang's ``sampling_params`` dict, mapped onto vLLM's names.
+
+    ``spaces_between_special_tokens`` is accepted and changes nothing, as in SGLang with a fast
+    tokenizer (its detokenizer passes it to ``batch_decode``, which fast tokenizers ignore;
+    dormant's detokenizer is the fast one). slime sends ``False`` with every rollout request.
+    """
 
     max_new_tokens: int | None = Field(default=128, ge=1)
     min_new_tokens: int = Field(default=0, ge=0)
@@ -27,6 +32,7 @@ class SGLangSamplingParams(Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = Field(default=1, ge=1, le=128)
     sampling_seed: int | None = None
