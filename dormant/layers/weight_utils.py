@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-ShardId = str | int
+ShardId = str | int | tuple[int, str]  # tuple: (expert, projection) of a fused MoE layer
 
 
 class WeightLoader(Protocol):

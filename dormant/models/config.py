@@ -12,8 +12,14 @@ import torch
 
 from dormant.layers.rotary import Llama3RopeScaling
 from dormant.models.errors import UnsupportedModelError
+from dormant.models.moe_config import MOE_ARCHITECTURES, MoeConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
+)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -30,7 +36,9 @@ class ModelConfig:
     """What the model code needs from ``config.json``. Invariants are checked on construction.
 
     ``attention_bias`` means a bias on the q/k/v projections (and on o_proj for Llama and
-    Qwen3; Qwen2 has q/k/v biases only and always sets it).
+    Qwen3; Qwen2 has q/k/v biases only and always sets it). ``moe`` is set exactly for the
+    mixture-of-experts architectures (``MOE_ARCHITECTURES``); their dense layers, if any, use
+    ``intermediate_size``.
     """
 
     architecture: str
@@ -51,6 +59,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -80,6 +89,11 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype}")
+        if (self.moe is not None) != (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(
+                f"{self.architecture} {'needs' if self.moe is None else 'takes no'} MoE settings "
+                "(ModelConfig.moe)"
+            )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
@@ -119,6 +133,7 @@ class ModelConfig:
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
             eos_token_ids=eos_token_ids,
             bos_token_id=d.get("bos_token_id"),
+            moe=MoeConfig.from_dict(d) if architecture in MOE_ARCHITECTURES else None,
         )
 
     @classmethod

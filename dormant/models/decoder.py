@@ -1,7 +1,9 @@
-"""The decoder stack shared by Llama, Qwen2 and Qwen3 (they differ only in ``DecoderSpec``)."""
+"""The decoder stack shared by Llama, Qwen2, Qwen3 and Qwen3-MoE (they differ only in
+``DecoderSpec``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -27,6 +29,8 @@ class DecoderSpec:
     has_qkv_bias: bool
     has_o_proj_bias: bool
     has_mlp_bias: bool
+    # Mixture-of-experts families: builds the MLP of the layers ``config.moe`` makes sparse.
+    sparse_mlp: Callable[[ModelConfig], nn.Module] | None = None
 
 
 class DecoderAttention(nn.Module):
@@ -121,7 +125,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=config.dtype
         )
-        self.mlp = DecoderMLP(config, spec)
+        self.mlp: nn.Module
+        if config.moe is not None and config.moe.is_sparse_layer(layer_idx):
+            assert spec.sparse_mlp is not None, "a MoE family's spec builds its sparse MLP"
+            self.mlp = spec.sparse_mlp(config)
+        else:
+            self.mlp = DecoderMLP(config, spec)
 
     def forward(
         self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None

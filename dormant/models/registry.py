@@ -11,12 +11,14 @@ from dormant.models.errors import UnsupportedModelError
 from dormant.models.llama import LlamaForCausalLM
 from dormant.models.qwen2 import Qwen2ForCausalLM
 from dormant.models.qwen3 import Qwen3ForCausalLM
+from dormant.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: Mapping[str, type[CausalLM]] = MappingProxyType(
     {
         "LlamaForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
 )
 assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -32,6 +33,7 @@ from dormant.models.errors import WeightError
 PackedMapping = Mapping[str, tuple[str, ShardId]]  # checkpoint module -> (our module, shard id)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EXPERT_NAME = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")  # <layer>.mlp.experts.<e>.<leaf>
 _NOTHING_WRITTEN = (
     "Nothing was written. Check that the checkpoint matches config.json (architecture, sizes, "
     "tie_word_embeddings) and holds full, unsharded Hugging Face tensors in a float dtype."
@@ -77,6 +79,14 @@ def weight_targets(model: nn.Module, packed: PackedMapping) -> dict[str, WeightT
         prefix, _, leaf = module_name.rpartition(".")
         loader: WeightLoader = getattr(module, "weight_loader", default_weight_loader)
         loaded_shape: LoadedShape = getattr(module, "loaded_shape", default_loaded_shape)
+        named_shards = getattr(module, "checkpoint_weights", None)
+        if named_shards is not None:  # a fused layer names its checkpoint tensors itself
+            for leaf_name, param, shard_id in named_shards():
+                seen.add(id(param))
+                shape = loaded_shape(param, shard_id)
+                target = WeightTarget(param, shard_id, loader, shape, WeightKind.MATRIX)
+                table[f"{module_name}.{leaf_name}"] = target
+            continue
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -121,6 +131,9 @@ def item_problem(
     """
     target = table.get(name)
     if target is None:
+        expert_problem = _missing_expert(name, table)
+        if expert_problem is not None:
+            return f"{name}: {expert_problem}"
         close = difflib.get_close_matches(name, table.keys(), n=1)
         suggestion = f"; did you mean {close[0]!r}?" if close else ""
         return f"{name}: no such weight in this model{suggestion}"
@@ -134,6 +147,24 @@ def item_problem(
         )
     if exact_dtype and dtype != target.tensor.dtype:
         return f"{name}: dtype {dtype}, expected {target.tensor.dtype} (cast it before the refit)"
+    return None
+
+
+def _missing_expert(name: str, table: Mapping[str, WeightTarget]) -> str | None:
+    """Why an expert's name is unknown, when its layer exists: the expert index is past the
+    layer's experts, or the layer is dense."""
+    match = _EXPERT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    prefix, _, leaf = match.groups()
+    count = 0
+    while f"{prefix}.{count}.{leaf}" in table:
+        count += 1
+    if count:
+        return f"no such expert: this layer has experts 0..{count - 1}"
+    dense = prefix.removesuffix(".experts") + "." + leaf
+    if dense in table:
+        return f"this layer is dense (mlp_only_layers / decoder_sparse_step): its MLP is {dense}"
     return None
 
 

@@ -17,6 +17,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from dormant.layers.context import forward_context
@@ -28,6 +30,7 @@ HF_MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     LlamaConfig: LlamaForCausalLM,
     Qwen2Config: Qwen2ForCausalLM,
     Qwen3Config: Qwen3ForCausalLM,
+    Qwen3MoeConfig: Qwen3MoeForCausalLM,
 }
 
 
@@ -67,6 +70,47 @@ def qwen3_config(*, tie_word_embeddings: bool) -> Qwen3Config:
         max_position_embeddings=128,
         initializer_range=0.1,
         tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def qwen3_moe_config() -> Qwen3MoeConfig:
+    """Every layer sparse: 8 experts, 2 per token, renormalised."""
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+
+
+def qwen3_moe_mixed_config() -> Qwen3MoeConfig:
+    """A dense layer between two sparse ones (``mlp_only_layers``), 3 of 4 experts per token,
+    not renormalised, tied embeddings."""
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
     )
 
 
