@@ -31,7 +31,7 @@ if not INTERPRETED:
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
-    num_tokens, num_experts, top_k, hidden, inter = shape
+    num_tokens, num_experts, _, hidden, inter = shape
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=generator)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
@@ -55,7 +55,7 @@ def test_topk_softmax_matches_select_experts(shape, renormalize: bool) -> None:
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_align_sorts_every_pair_once_into_its_experts_blocks(shape, block_m: int) -> None:
-    num_tokens, num_experts, top_k, *_ = shape
+    _, num_experts, top_k, *_ = shape
     *_, logits = _inputs(shape, torch.float32)
     _, ids = select_experts(logits, top_k, False)
     sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts, block_m)
