@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The fake libcuda of the zero-residual mode's CPU tests (fake_driver, old_driver).
+pytest_plugins = ["tests.fake_driver"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

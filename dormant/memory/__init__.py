@@ -33,8 +33,25 @@ from dormant.memory.policy import (
     WORKSPACE,
     Policy,
 )
+from dormant.memory.process_checkpoint import (
+    CheckpointFailedError,
+    CheckpointTimeoutError,
+    CheckpointUnsupportedError,
+    CommunicatorActiveError,
+    ContextReleasedError,
+    ContextReleaseError,
+    ProcessCheckpoint,
+    ProcessState,
+)
 from dormant.memory.states import State, TagState
-from dormant.memory.status import MemoryStatus, SleepReport, TagStatus, WakeReport
+from dormant.memory.status import (
+    ContextReport,
+    MemoryStatus,
+    ResidualItem,
+    SleepReport,
+    TagStatus,
+    WakeReport,
+)
 
 __all__ = [
     "BUILTIN_TAGS",
@@ -46,6 +63,13 @@ __all__ = [
     "WORKSPACE",
     "AuditRecord",
     "AuditReport",
+    "CheckpointFailedError",
+    "CheckpointTimeoutError",
+    "CheckpointUnsupportedError",
+    "CommunicatorActiveError",
+    "ContextReleaseError",
+    "ContextReleasedError",
+    "ContextReport",
     "DriverError",
     "HostArenaError",
     "ManagerClosedError",
@@ -56,6 +80,9 @@ __all__ = [
     "OutOfMemoryError",
     "PointerGuardError",
     "Policy",
+    "ProcessCheckpoint",
+    "ProcessState",
+    "ResidualItem",
     "SleepConflictError",
     "SleepFailedError",
     "SleepReport",

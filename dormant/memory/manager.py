@@ -21,6 +21,7 @@ from dormant.memory.backend import Backend
 from dormant.memory.backends import open_backend
 from dormant.memory.blocks import BlockTable
 from dormant.memory.capture import TagPools, capture_scope, check_not_capturing, require_cuda
+from dormant.memory.context_release import ContextRelease
 from dormant.memory.errors import ManagerClosedError
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.policy import (
@@ -32,11 +33,12 @@ from dormant.memory.policy import (
     sleep_request,
 )
 from dormant.memory.pool import BLOCK_ALIGNMENT, Block
+from dormant.memory.residual import ResidualLedger
 from dormant.memory.serial import SerialSection
 from dormant.memory.sleep_wake import prepare_host_copies, sleep_tags, wake_tags
 from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
-from dormant.memory.status_report import build_status
+from dormant.memory.status_report import build_status, released_status
 from dormant.memory.tag_machine import asleep_policy, check_can_allocate, check_known, tag_states
 
 
@@ -83,6 +85,8 @@ class MemoryManager:
         self._guard = PointerGuard()
         self._serial = SerialSection()
         self._tag_pools = TagPools(self.raw_alloc, self.raw_free)
+        self.residual = ResidualLedger(self._table, self._serial)  # the residual, by owner
+        self.context = ContextRelease(self._serial, self.backend, self.residual.process_bytes)
         self._is_closed = False
         self.last_sleep: SleepReport | None = None
         self.last_wake: WakeReport | None = None
@@ -239,6 +243,7 @@ class MemoryManager:
         ``WakeReport.lost`` lists contents that could not be restored (see WakeReport).
         """
         check_not_capturing("wake_up()")
+        self.context.restore()  # a released CUDA context comes back first
         with self._op():
             names = list(self.tags) if tags is None else self._check_tags(as_tag_list(tags))
             self._guard.verify()
@@ -267,12 +272,34 @@ class MemoryManager:
 
     # ── status and lifetime ───────────────────────────────────────────────────────────────────
     def status(self) -> MemoryStatus:
-        with self._op():
-            return build_status(self._table, self.last_sleep, self.last_wake)
+        """Tags, the last reports and the residual by owner (residual.py); while the CUDA
+        context is released, from NVML alone (no CUDA call could answer)."""
+        with self._serial.held():
+            if self._is_closed:
+                raise ManagerClosedError("this MemoryManager was closed; create a new one")
+            context = self.context.last
+            if context is not None and context.is_released:
+                return released_status(
+                    self._table, self.last_sleep, self.last_wake, self.residual, context
+                )
+            return build_status(
+                self._table, self.last_sleep, self.last_wake, self.residual, context
+            )
+
+    def tag_of(self, memory: torch.Tensor | int) -> str | None:
+        """The tag whose memory holds ``memory`` (a tensor's first byte, or an address); None
+        when it is no memory of this manager."""
+        address = memory if isinstance(memory, int) else memory.data_ptr()
+        with self._serial.held():
+            try:
+                return self._table.find(address).allocation.tag
+            except ValueError:
+                return None
 
     def close(self) -> None:
         """Stops new operations and frees the device slot; live tensors stay valid until they die,
         and the arena goes with the last of them."""
+        self.context.restore()  # frees need the device back
         with self._serial.held():
             if self._is_closed:
                 return
@@ -280,6 +307,7 @@ class MemoryManager:
             if self._table.is_empty:
                 self.arena.release()
         self._tag_pools.release()  # pools die (and free through raw_free) once unused
+        self.context.close()
         self._finalizer()
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
@@ -288,6 +316,7 @@ class MemoryManager:
         with self._serial.held():
             if self._is_closed:
                 raise ManagerClosedError("this MemoryManager was closed; create a new one")
+            self.context.check_usable("this MemoryManager call")
             yield
 
     def _check_tags(self, tags: Iterable[str]) -> list[str]:
@@ -315,6 +344,8 @@ class MemoryManager:
         self._serial.defer(partial(self._free_block, block))
 
     def _free_block(self, block: Block) -> None:
+        if self.context.defer(partial(self._free_block, block)):
+            return  # the driver is locked (context released): it runs after the restore
         self._table.free(block)
         if self._is_closed and self._table.is_empty:
             self.arena.release()

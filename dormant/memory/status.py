@@ -99,6 +99,34 @@ class ResidualItem:
 
 
 @dataclass(frozen=True)
+class ContextReport:
+    """The process's CUDA state released to the driver (``release_context``) and restored.
+
+    Process figures are NVML's accounting of this process on the device (None: unknown).
+    """
+
+    is_released: bool
+    checkpoint_s: float  # lock + checkpoint
+    restore_s: float | None = None  # restore + unlock (None while released)
+    process_bytes_before: int | None = None  # just before the checkpoint
+    process_bytes_released: int | None = None  # right after it: what the GPU still shows for us
+    process_bytes_restored: int | None = None  # right after the restore
+
+    def describe(self) -> str:
+        def mib(n: int | None) -> str:
+            return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+        text = (
+            f"CUDA context {'released' if self.is_released else 'restored'}: checkpoint "
+            f"{self.checkpoint_s * 1e3:.0f} ms (process {mib(self.process_bytes_before)} -> "
+            f"{mib(self.process_bytes_released)})"
+        )
+        if self.restore_s is not None:
+            text += f", restore {self.restore_s * 1e3:.0f} ms ({mib(self.process_bytes_restored)})"
+        return text
+
+
+@dataclass(frozen=True)
 class MemoryStatus:
     backend: str
     device: str
@@ -109,7 +137,9 @@ class MemoryStatus:
     arena_used_bytes: int
     last_sleep: SleepReport | None
     last_wake: WakeReport | None
-    residual: tuple[ResidualItem, ...]  # device memory in use now, by owner
+    residual: tuple[ResidualItem, ...]  # device memory in use now, by owner (residual.py)
+    released: tuple[ResidualItem, ...] = ()  # what the last sleep gave back beyond the tags
+    context: ContextReport | None = None  # the last release of the CUDA context, if any
 
     def tag(self, name: str) -> TagStatus:
         for status in self.tags:
@@ -137,6 +167,11 @@ class MemoryStatus:
         )
         lines.append("  device memory in use, by owner:")
         lines += [f"    {r.owner:<52} {r.nbytes / 2**20:>10.1f} MiB" for r in self.residual]
+        if self.context is not None:
+            lines.append(f"  {self.context.describe()}")
+        if self.released:
+            lines.append("  given back beyond the tags:")
+            lines += [f"    {r.owner:<52} {r.nbytes / 2**20:>10.1f} MiB" for r in self.released]
         if self.last_sleep is not None:
             s = self.last_sleep
             lines.append(

@@ -4,22 +4,79 @@ allocations, and the residual by owner."""
 from __future__ import annotations
 
 from dormant.memory.blocks import BlockTable
+from dormant.memory.residual import ResidualLedger
 from dormant.memory.states import State
-from dormant.memory.status import MemoryStatus, ResidualItem, SleepReport, TagStatus, WakeReport
+from dormant.memory.status import (
+    ContextReport,
+    MemoryStatus,
+    ResidualItem,
+    SleepReport,
+    TagStatus,
+    WakeReport,
+)
 from dormant.memory.tag_machine import count_states, tag_state
 
 UNOWNED = "not dormant's: CUDA context, NCCL, other libraries"
+CHECKPOINTED = "this process, its CUDA state checkpointed by the driver (NVML)"
 
 
 def build_status(
-    table: BlockTable, last_sleep: SleepReport | None, last_wake: WakeReport | None
+    table: BlockTable,
+    last_sleep: SleepReport | None,
+    last_wake: WakeReport | None,
+    ledger: ResidualLedger | None = None,
+    context: ContextReport | None = None,
 ) -> MemoryStatus:
-    """The status of ``table``'s tags, its backend and its arena, with the last reports."""
-    backend, arena = table.backend, table.arena
-    tags = []
+    """The status of ``table``'s tags, its backend and its arena, with the last reports. With a
+    CUDA ``ledger`` the residual is measured by owner (residual.py); otherwise what is not the
+    tags' or the backend's known owners' is one row."""
+    backend = table.backend
+    tags = tag_statuses(table)
+    residual = _tag_rows(tags)
+    released: tuple[ResidualItem, ...] = ()
+    if ledger is not None and ledger.is_cuda:
+        now, rows = ledger.items()
+        used, total = now.device_used_bytes, now.device_total_bytes
+        residual += rows
+        released = tuple(ledger.released_items())
+    else:
+        free, total = backend.memory_info()
+        used = total - free
+        residual += [ResidualItem(owner, n) for owner, n in backend.other_usage().items() if n]
+        unexplained = used - sum(r.nbytes for r in residual)
+        if unexplained > 0:
+            residual.append(ResidualItem(UNOWNED, unexplained))
+    return _status(table, tags, used, total, last_sleep, last_wake, residual, released, context)
+
+
+def released_status(
+    table: BlockTable,
+    last_sleep: SleepReport | None,
+    last_wake: WakeReport | None,
+    ledger: ResidualLedger,
+    context: ContextReport,
+) -> MemoryStatus:
+    """The status while the process's CUDA state is checkpointed: no CUDA call (it would block
+    until the restore), so the device figures are NVML's; without NVML they are unknown (zero,
+    with a row saying so)."""
+    tags = tag_statuses(table)
+    residual = _tag_rows(tags)
+    memory, process = ledger.device_memory(), ledger.process_bytes()
+    used, total = (0, 0) if memory is None else memory
+    if process is None:
+        residual.append(ResidualItem(CHECKPOINTED + ": unknown, no NVML reading", 0))
+    else:
+        residual.append(ResidualItem(CHECKPOINTED, process))
+        if memory is not None:
+            residual.append(ResidualItem("other processes on this device (NVML)", used - process))
+    return _status(table, tags, used, total, last_sleep, last_wake, residual, (), context)
+
+
+def tag_statuses(table: BlockTable) -> list[TagStatus]:
+    statuses = []
     for tag, pool in table.pools.items():
         allocations = pool.allocations
-        tags.append(
+        statuses.append(
             TagStatus(
                 tag=tag,
                 state=tag_state(allocations),
@@ -30,26 +87,39 @@ def build_status(
                 host_bytes=sum(a.region.nbytes for a in allocations if a.region is not None),
             )
         )
-    free, total = backend.memory_info()
-    used = total - free
-    residual = [
+    return statuses
+
+
+def _tag_rows(tags: list[TagStatus]) -> list[ResidualItem]:
+    return [
         ResidualItem(f"dormant tag {t.tag!r} ({t.describe()})", t.held_bytes)
         for t in tags
         if t.held_bytes
     ]
-    residual += [ResidualItem(owner, n) for owner, n in backend.other_usage().items() if n]
-    unexplained = used - sum(r.nbytes for r in residual)
-    if unexplained > 0:
-        residual.append(ResidualItem(UNOWNED, unexplained))
+
+
+def _status(
+    table: BlockTable,
+    tags: list[TagStatus],
+    used: int,
+    total: int,
+    last_sleep: SleepReport | None,
+    last_wake: WakeReport | None,
+    residual: list[ResidualItem],
+    released: tuple[ResidualItem, ...],
+    context: ContextReport | None,
+) -> MemoryStatus:
     return MemoryStatus(
-        backend=backend.name,
-        device=str(backend.device),
+        backend=table.backend.name,
+        device=str(table.backend.device),
         tags=tuple(tags),
         device_used_bytes=used,
         device_total_bytes=total,
-        arena_capacity_bytes=arena.capacity_bytes,
-        arena_used_bytes=arena.used_bytes,
+        arena_capacity_bytes=table.arena.capacity_bytes,
+        arena_used_bytes=table.arena.used_bytes,
         last_sleep=last_sleep,
         last_wake=last_wake,
         residual=tuple(residual),
+        released=released,
+        context=context,
     )

@@ -14,6 +14,21 @@ Two kinds, one per captured batch size (a batch is padded up to the next size):
 Every tensor a graph reads lives in ``runtime`` (inputs, block tables, scales) or ``weights`` /
 ``kv_cache``, allocated once; the graph's own intermediates live in the ``cuda_graph`` pool. So a
 sleep/wake cycle at any level leaves every captured address valid and nothing is recaptured.
+
+Nothing a capture leaves behind lives outside the tags (the residual, ``memory/residual.py``):
+
+| what                               | where                                                    |
+|------------------------------------|----------------------------------------------------------|
+| full graph outputs (logits)        | allocated in capture: the ``cuda_graph`` pool            |
+| multi-step tokens and logprobs     | ``runtime``, explicit                                    |
+| the capture's cuBLAS workspace     | the ``cuda_graph`` pool: the workspaces are cleared      |
+|                                    | before capturing, so cuBLAS allocates one in capture     |
+| the warm-ups' intermediates        | torch's cache, returned at sleep                         |
+| the warm-up stream's workspace     | cleared after capturing (one stream for every warm-up:   |
+|                                    | torch keeps a workspace per stream, 32 MiB on Hopper)    |
+
+The warm-ups all run first, then the captures, and the manager samples the device after each
+phase, so the residual tells modules loaded (warm-up) from graph executables (capture).
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import torch
 
 from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import RUNTIME, MemoryManager
+from dormant.memory.torch_usage import clear_cublas_workspaces
 from dormant.models import CausalLM
 from dormant.worker.input_buffers import InputBuffers
 from dormant.worker.logprobs import LogprobsMode, packed_logprobs, packed_width
@@ -67,27 +83,47 @@ class DecodeGraphs:
         return next((bs for bs in self.batch_sizes if bs >= num_seqs), None)
 
     def capture(self) -> None:
-        """Captures every batch size, largest first (smaller graphs reuse the pool's memory)."""
+        """Warms up, then captures, every batch size, largest first (smaller graphs reuse the
+        pool's memory)."""
         self.inputs.fill_padding()
+        bodies: list[tuple[int, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]] = []
         for bs in reversed(self.batch_sizes):
-            self.full[bs] = self._capture(partial(self._forward, bs))
+            bodies.append((bs, partial(self._forward, bs), ()))
             if self.num_steps > 1:
                 shapes = [
                     ((self.num_steps, bs), torch.int64),
                     ((self.num_steps, bs, packed_width(self.num_top_logprobs)), torch.int32),
                 ]
                 tokens, logprobs = self.mm.empty_many(shapes, RUNTIME)
-                captured = self._capture(partial(self._steps, bs, tokens, logprobs))
+                steps = partial(self._steps, bs, tokens, logprobs)
+                bodies.append((bs, steps, (tokens, logprobs)))
+        self._warm_up([body for _, body, _ in bodies])
+        self.mm.residual.mark("the decode graphs warmed up (kernels loaded)")
+        clear_cublas_workspaces()  # capture allocates its own, in the graph pool
+        for bs, body, outputs in bodies:
+            captured = self._capture(body)
+            if outputs:
+                tokens, logprobs = outputs
                 self.multi_step[bs] = CapturedGraph(captured.graph, tokens, logprobs)
+            else:
+                self.full[bs] = captured
         torch.cuda.synchronize()
+        clear_cublas_workspaces()  # the warm-up stream's: nothing outlives capture untagged
+        self.mm.residual.mark("the decode graphs were captured (graph executables)")
 
-    def _capture(self, body: Callable[[], torch.Tensor]) -> CapturedGraph:
+    def _warm_up(self, bodies: list[Callable[[], torch.Tensor]]) -> None:
+        """Runs every body once on one side stream: compiles and loads the kernels, creates the
+        cuBLAS handle, so that none of it happens inside a capture."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up: compile kernels, create cuBLAS handles
-            body()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.inputs.fill_padding()  # the warm-up advanced the multi-step inputs
+        for body in bodies:
+            with torch.cuda.stream(stream):
+                body()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.inputs.fill_padding()  # the warm-up advanced the multi-step inputs
+            stream.wait_stream(torch.cuda.current_stream())
+
+    def _capture(self, body: Callable[[], torch.Tensor]) -> CapturedGraph:
         graph = torch.cuda.CUDAGraph()
         pool = cast(Any, self.mm.graph_pool().id)  # torch types the handle loosely
         with torch.cuda.graph(graph, pool=pool):

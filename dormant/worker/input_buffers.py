@@ -28,6 +28,7 @@ from dormant.core.config import EngineConfig
 from dormant.core.step_input import StepInput
 from dormant.layers.context import AttentionMetadata
 from dormant.memory import RUNTIME, MemoryManager
+from dormant.memory.census import host_staging
 
 _TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 
@@ -60,8 +61,8 @@ class InputBuffers:
         ) = tensors
         self.device_buffers: dict[str, torch.Tensor] = dict(zip(specs, tensors, strict=True))
         pin = mm.backend.device.type == "cuda"
-        self._host = {
-            name: torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self._host = {  # host memory by design: the census leaves it out
+            name: host_staging(torch.zeros(shape, dtype=dtype, pin_memory=pin))
             for name, (shape, dtype) in specs.items()
         }
         self._host_np = {name: t.numpy() for name, t in self._host.items()}
@@ -178,4 +179,5 @@ class Staging:
         return views[: len(ints)], float_views
 
     def _allocate(self, capacity: int) -> torch.Tensor:
-        return torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        return host_staging(torch.empty(capacity, dtype=torch.int64, pin_memory=pin))

@@ -24,6 +24,7 @@ import torch
 from dormant.core.config import LogprobsMode
 from dormant.core.step_output import TokenLogprobs
 from dormant.layers.kernels import use_triton
+from dormant.memory.census import host_staging
 
 _NUM_FIXED_COLUMNS = 3
 _MAX_FUSED_TOP = 32  # dormant.layers.triton_logprobs.MAX_FUSED_TOP (that module needs Triton)
@@ -126,4 +127,4 @@ class HostCopy:
         return self._host[: self._num_values].numpy()
 
     def _allocate(self, capacity: int) -> torch.Tensor:
-        return torch.empty(capacity, dtype=torch.int32, pin_memory=self._is_cuda)
+        return host_staging(torch.empty(capacity, dtype=torch.int32, pin_memory=self._is_cuda))

@@ -1,0 +1,136 @@
+"""The manager's side of releasing this process's CUDA state (``process_checkpoint.py``).
+
+    release: refuse (NCCL communicators; a driver that cannot) ─▶ collect garbage, synchronize
+             ─▶ lock + checkpoint (helper) ─▶ released
+    while released: every manager call that needs the device raises ContextReleasedError at
+             once instead of blocking in the locked driver; frees of tensors that die meanwhile
+             wait, and run right after the restore; status() reads NVML only
+    restore (wake_up does it first): restore + unlock (helper) ─▶ the waiting frees run
+
+Refusals come before anything changes. A checkpoint that fails leaves the process unlocked
+where the driver allows it, and the error says what state it is in. Collecting garbage first
+matters: a tensor freed while locked would block its thread in the driver.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from dormant.memory.backend import Backend
+from dormant.memory.capture import check_not_capturing
+from dormant.memory.process_checkpoint import (
+    CommunicatorActiveError,
+    ContextReleasedError,
+    ProcessCheckpoint,
+    nccl_groups,
+)
+from dormant.memory.serial import SerialSection
+from dormant.memory.status import ContextReport
+
+Measure = Callable[[], int | None]  # this process's device memory (NVML), None when unknown
+
+
+class ContextRelease:
+    """Whether this process's CUDA state is checkpointed, and what waits for its restore: a
+    manager's ``mm.context``. ``release``, ``restore`` and ``check`` take the manager's lock;
+    ``check_usable`` and ``defer`` are called by the manager under it.
+
+    Invariant: ``_pending`` is empty unless the context is released.
+    """
+
+    def __init__(self, serial: SerialSection, backend: Backend, measure: Measure) -> None:
+        self._serial, self._backend, self._measure = serial, backend, measure
+        self._checkpoint: ProcessCheckpoint | None = None
+        self.last: ContextReport | None = None
+        self._pending: list[Callable[[], None]] = []
+
+    @property
+    def is_released(self) -> bool:
+        return self.last is not None and self.last.is_released
+
+    def check_usable(self, what: str) -> None:
+        if self.is_released:
+            raise ContextReleasedError(
+                f"{what} needs the device, and this process's CUDA state is checkpointed by the "
+                "driver (sleep with release_context); call wake_up() first, which restores it"
+            )
+
+    def check(self, checkpoint: ProcessCheckpoint | None = None) -> None:
+        """Raises CommunicatorActiveError or CheckpointUnsupportedError if ``release`` would be
+        refused now (changing nothing). ``checkpoint``: the checkpointer to use from now on
+        (default: one of this process)."""
+        with self._serial.held():
+            if not self.is_released:
+                self._checked(checkpoint)
+
+    def _checked(self, checkpoint: ProcessCheckpoint | None) -> ProcessCheckpoint:
+        groups = nccl_groups()
+        if groups:
+            raise CommunicatorActiveError(
+                f"this process has NCCL communicators ({groups}); the driver cannot checkpoint "
+                "them safely. Destroy them first (destroy_weights_update_group), or sleep "
+                "without release_context; a tensor-parallel engine cannot release its context."
+            )
+        if checkpoint is not None and checkpoint is not self._checkpoint:
+            self.close()
+        self._checkpoint = checkpoint or self._checkpoint or ProcessCheckpoint()
+        self._checkpoint.probe()
+        return self._checkpoint
+
+    def release(self, checkpoint: ProcessCheckpoint | None = None) -> ContextReport:
+        """Checkpoints this process's whole CUDA state, its context included: the GPU then
+        shows nothing for it. Until ``restore`` (``wake_up`` does it first) every manager call
+        that needs the device raises ContextReleasedError. A no-op when released already.
+
+        Sleep the tags first: what is still mapped is copied by the driver, at its own speed.
+        Any other CUDA call made in this process meanwhile (another library's, another
+        thread's) blocks until the restore: release only a process that waits for its wake.
+        """
+        check_not_capturing("release_context()")
+        with self._serial.held():
+            if self.last is not None and self.last.is_released:
+                return self.last
+            checkpointer = self._checked(checkpoint)
+            gc.collect()  # a tensor dying while the driver is locked would block its thread
+            self._backend.synchronize()
+            before = self._measure()
+            seconds = checkpointer.checkpoint()
+            self.last = ContextReport(True, seconds, None, before, self._measure())
+            return self.last
+
+    def restore(self) -> ContextReport | None:
+        """Restores the CUDA state if it is released (None otherwise), then runs the frees
+        that waited for it."""
+        with self._serial.held():
+            if self.last is None or not self.last.is_released:
+                return None
+            assert self._checkpoint is not None
+            start = time.perf_counter()
+            self._checkpoint.restore()
+            self.last = replace(
+                self.last,
+                is_released=False,
+                restore_s=time.perf_counter() - start,
+                process_bytes_restored=self._measure(),
+            )
+            pending, self._pending = self._pending, []
+            for work in pending:
+                work()
+            return self.last
+
+    def defer(self, work: Callable[[], None]) -> bool:
+        """Keeps ``work`` (a free) for after the restore if the context is released; returns
+        whether it did."""
+        if not self.is_released:
+            return False
+        self._pending.append(work)
+        return True
+
+    def close(self) -> None:
+        """Ends the helper process. Precondition: the context is not released."""
+        if self._checkpoint is not None:
+            self._checkpoint.close()
+            self._checkpoint = None

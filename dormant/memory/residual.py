@@ -1,0 +1,199 @@
+"""The residual: device memory in use, by owner, with measured figures only (DESIGN §5).
+
+``memory_status().residual`` partitions the device memory in use into owners; the rows add up to
+the device's used bytes exactly. On CUDA each row is measured this way:
+
+| row                                  | how it is measured                                      |
+|--------------------------------------|---------------------------------------------------------|
+| dormant tag ``t``                    | the manager's own records: physical memory it holds     |
+| torch: live tensors outside the tags | torch's segment snapshot, the tags' pool segments left  |
+|                                      | out (``torch_usage.py``)                                |
+| torch: cached outside the tags       | the same segments' size less their live blocks          |
+| CUDA context (the manager's start)   | this process's memory then (NVML), less torch's and the |
+|                                      | tags'                                                   |
+| grew while <phase>                   | the same difference at each phase the engine marks      |
+|                                      | (``mark``): CUDA/Triton modules loaded, cuBLAS handles, |
+|                                      | graph executables, the context's local memory           |
+| grew since <last phase>              | the same, now (modules loaded lazily by later steps)    |
+| other processes on this device       | the device's used bytes (cuMemGetInfo) less this        |
+|                                      | process's (NVML)                                        |
+
+"This process" is NVML's per-process accounting (``nvml.py``). Without it (no NVML, or a PID
+namespace that hides our pid) the process rows fall back to the device's used bytes and say
+that other processes are included. What the last sleep gave back beyond the tags (cuBLAS
+workspaces, torch's cache; ``torch_usage.release_torch_memory``) is reported beside the rows,
+since it is no longer in use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dormant.memory import nvml
+from dormant.memory.blocks import BlockTable
+from dormant.memory.serial import SerialSection
+from dormant.memory.status import ResidualItem
+from dormant.memory.torch_usage import (
+    TorchRelease,
+    TorchUsage,
+    release_torch_memory,
+    torch_outside_tags,
+)
+
+MODULES = "CUDA/Triton modules, cuBLAS handles, graph executables, driver state"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The device's memory at one moment, split as far as measurement allows."""
+
+    label: str
+    device_used_bytes: int
+    device_total_bytes: int
+    process_bytes: int | None  # NVML's figure for this process; None when unknown
+    torch: TorchUsage
+    tag_held_bytes: int
+    stack_bytes: int | None  # the context's per-thread stack limit (local memory grows with it)
+
+    @property
+    def other_bytes(self) -> int:
+        """This process's device memory that is neither torch's nor the tags' (without NVML:
+        the device's, other processes included)."""
+        whole = self.device_used_bytes if self.process_bytes is None else self.process_bytes
+        return whole - self.torch.reserved_bytes - self.tag_held_bytes
+
+
+class ResidualLedger:
+    """Samples taken when the manager starts and at each phase its user marks, and the last
+    release of torch's memory: a manager's ``mm.residual``. Only the cuda backend is sampled
+    (elsewhere there is no driver state to account). ``mark`` takes the manager's lock;
+    ``items`` is called under it."""
+
+    def __init__(self, table: BlockTable, serial: SerialSection) -> None:
+        self._table, self._serial = table, serial
+        self.device = table.backend.device
+        self.is_cuda = self.device.type == "cuda"
+        self._pci_bus_id = _pci_bus_id(self.device.index) if self.is_cuda else None
+        self.samples: list[Sample] = [self.sample("the manager started")] if self.is_cuda else []
+        self.last_release: TorchRelease | None = None
+
+    def sample(self, label: str) -> Sample:
+        free, total = self._table.backend.memory_info()
+        return Sample(
+            label=label,
+            device_used_bytes=total - free,
+            device_total_bytes=total,
+            process_bytes=self.process_bytes(),
+            torch=torch_outside_tags(self.device, tag_segments(self._table)),
+            tag_held_bytes=held_bytes(self._table),
+            stack_bytes=_stack_limit(),
+        )
+
+    def mark(self, label: str) -> None:
+        """Samples now: what grows until the next mark is reported as grown "while <label>"
+        (an engine marks its start-up phases: model loaded, graphs captured)."""
+        if self.is_cuda:
+            with self._serial.held():
+                self.samples.append(self.sample(label))
+
+    def release_torch_memory(self) -> TorchRelease | None:
+        """Frees torch's cuBLAS workspaces and returns its unused cache (``torch_usage.py``);
+        the status reports what it gave back. Call it between steps, after a sleep.
+
+        Not under the manager's lock: ``empty_cache`` may free a pool segment, whose free comes
+        back through ``raw_free``, which takes the lock.
+        """
+        self.last_release = release_torch_memory(self.device)
+        return self.last_release
+
+    def process_bytes(self) -> int | None:
+        """NVML's figure for this process on the device (None when unknown); safe while the
+        process's CUDA state is checkpointed."""
+        if self._pci_bus_id is None:
+            return None
+        return nvml.process_memory(self._pci_bus_id, os.getpid())
+
+    def device_memory(self) -> nvml.DeviceMemory | None:
+        return None if self._pci_bus_id is None else nvml.device_memory(self._pci_bus_id)
+
+    def items(self) -> tuple[Sample, list[ResidualItem]]:
+        """The rows beyond the tags' (see the module docstring), measured now, and the sample
+        they were measured from: with the tags' rows they add up to its used bytes."""
+        now = self.sample("now")
+        with_nvml = now.process_bytes is not None
+        who = "this process" if with_nvml else "this process and any other on the device"
+        rows = [
+            ResidualItem("torch: live tensors outside dormant's tags", now.torch.allocated_bytes),
+            ResidualItem(
+                "torch: cached outside dormant's tags (reserved, unused)", now.torch.cached_bytes
+            ),
+        ]
+        previous: Sample | None = None
+        for sample in [*self.samples, now]:
+            if previous is None:
+                owner = f"CUDA context and other non-torch memory of {who} when {sample.label}"
+                rows.append(ResidualItem(owner, sample.other_bytes))
+            else:
+                span = f"since {previous.label}" if sample is now else f"while {sample.label}"
+                stack = _stack_change(previous, sample)
+                owner = f"grew {span}: {MODULES}{stack}"
+                rows.append(ResidualItem(owner, sample.other_bytes - previous.other_bytes))
+            previous = sample
+        if with_nvml:
+            assert now.process_bytes is not None
+            rows.append(
+                ResidualItem(
+                    "other processes on this device (NVML)",
+                    now.device_used_bytes - now.process_bytes,
+                )
+            )
+        return now, [r for r in rows if r.nbytes]
+
+    def released_items(self) -> list[ResidualItem]:
+        """What the last sleep gave back beyond the tags."""
+        release = self.last_release
+        if release is None:
+            return []
+        return [
+            ResidualItem(
+                "cuBLAS workspaces freed by the last sleep", release.cublas_workspace_bytes
+            ),
+            ResidualItem("torch cache returned by the last sleep", release.cache_bytes),
+        ]
+
+
+def tag_segments(table: BlockTable) -> list[int]:
+    """Addresses of the manager's raw blocks: the segments of the tags' torch pools."""
+    return [r.address for r in table.records() if r.kind == "raw"]
+
+
+def held_bytes(table: BlockTable) -> int:
+    return sum(a.size for a in table.allocations() if a.handle is not None)
+
+
+def _stack_change(before: Sample, after: Sample) -> str:
+    if before.stack_bytes is None or after.stack_bytes in (None, before.stack_bytes):
+        return ""
+    return f" (per-thread stack limit {before.stack_bytes} -> {after.stack_bytes} B)"
+
+
+def _pci_bus_id(index: int | None) -> str | None:
+    from dormant.memory.cuda_driver import call
+
+    try:
+        device = call("cuDeviceGet", 0 if index is None else index)
+        raw = call("cuDeviceGetPCIBusId", 32, device)
+    except Exception:
+        return None
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text.split("\x00", 1)[0] or None
+
+
+def _stack_limit() -> int | None:
+    from dormant.memory.cuda_driver import call, driver
+
+    try:
+        return int(call("cuCtxGetLimit", driver().CUlimit.CU_LIMIT_STACK_SIZE))
+    except Exception:
+        return None

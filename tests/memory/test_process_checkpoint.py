@@ -1,0 +1,174 @@
+"""The zero-residual mode's memory side on the CPU: the checkpoint helper against a fake libcuda
+(the driver's state machine, its failures, a driver that hangs or dies), the refusals (no driver
+support, NCCL communicators), and a manager whose context is released: calls that need the device
+raise instead of blocking, frees wait for the restore, wake restores first."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+
+from dormant.memory import (
+    CheckpointFailedError,
+    CheckpointTimeoutError,
+    CheckpointUnsupportedError,
+    CommunicatorActiveError,
+    ContextReleasedError,
+    MemoryManager,
+    ProcessCheckpoint,
+    ProcessState,
+)
+from dormant.memory import process_checkpoint as pc
+from tests.fake_driver import FakeDriver
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def checkpoint() -> ProcessCheckpoint:
+    made = ProcessCheckpoint(lock_timeout_s=2.0, reply_timeout_s=20.0)
+    yield made
+    made.close()
+
+
+def test_a_cycle_drives_the_driver_in_order(fake_driver: FakeDriver, checkpoint) -> None:
+    assert checkpoint.probe() is ProcessState.RUNNING
+    assert checkpoint.driver_version == 12080
+    checkpoint.checkpoint()
+    assert checkpoint.state() is ProcessState.CHECKPOINTED
+    checkpoint.restore()
+    assert checkpoint.state() is ProcessState.RUNNING
+    pid = os.getpid()
+    # the lock's timeout reaches the driver in its args struct; every call names this process
+    assert fake_driver.calls() == [
+        f"lock {pid} 2000", f"checkpoint {pid}", f"restore {pid}", f"unlock {pid}"
+    ]  # fmt: skip
+
+
+def test_a_driver_without_the_api_is_refused(old_driver: None, checkpoint) -> None:
+    with pytest.raises(CheckpointUnsupportedError, match="570"):
+        checkpoint.probe()
+
+
+def test_an_old_driver_version_is_refused(fake_driver: FakeDriver, checkpoint) -> None:
+    fake_driver.set(version="12040")
+    with pytest.raises(CheckpointUnsupportedError, match="12040"):
+        checkpoint.probe()
+    assert fake_driver.calls() == []
+
+
+def test_no_libcuda_is_refused(tmp_path, monkeypatch: pytest.MonkeyPatch, checkpoint) -> None:
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda") is not None:
+        pytest.skip("this machine has a real libcuda")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    with pytest.raises(CheckpointUnsupportedError, match=r"libcuda\.so\.1"):
+        checkpoint.probe()
+
+
+def test_a_lock_that_times_out_leaves_the_process_running(fake_driver, checkpoint) -> None:
+    fake_driver.set(fail="lock")
+    with pytest.raises(CheckpointFailedError, match="CUDA_ERROR_TIMEOUT") as raised:
+        checkpoint.checkpoint()
+    assert raised.value.state is ProcessState.RUNNING
+    assert fake_driver.ops() == ["lock"]
+
+
+def test_a_failed_checkpoint_unlocks_again(fake_driver: FakeDriver, checkpoint) -> None:
+    fake_driver.set(fail="checkpoint")
+    with pytest.raises(CheckpointFailedError, match="cuCheckpointProcessCheckpoint") as raised:
+        checkpoint.checkpoint()
+    assert raised.value.state is ProcessState.RUNNING
+    assert fake_driver.ops() == ["lock", "checkpoint", "unlock"]
+    assert checkpoint.state() is ProcessState.RUNNING
+
+
+def test_a_driver_that_never_answers_is_an_error_not_a_hang(fake_driver: FakeDriver) -> None:
+    fake_driver.set(hang="checkpoint")
+    checkpoint = ProcessCheckpoint(lock_timeout_s=1.0, reply_timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(CheckpointTimeoutError, match="no answer"):
+        checkpoint.checkpoint()
+    assert time.monotonic() - start < 20
+    assert checkpoint._helper is None  # killed
+    checkpoint.close()
+
+
+def test_a_helper_that_dies_is_an_error(fake_driver: FakeDriver, checkpoint) -> None:
+    fake_driver.set(exit="lock")
+    with pytest.raises(CheckpointFailedError, match="helper died"):
+        checkpoint.checkpoint()
+    fake_driver.set(exit="")
+    assert checkpoint.probe() is ProcessState.RUNNING  # a new helper starts
+
+
+def test_nccl_communicators_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    group, other = object(), object()
+    world = type("World", (), {})()
+    world.pg_map = {group: ("nccl", None), other: ("gloo", None)}
+    world.pg_names = {group: "weight_update_group", other: "cpu_group"}
+    monkeypatch.setattr(c10d, "_world", world)
+    assert pc.nccl_groups() == ["weight_update_group"]
+
+
+def test_a_manager_with_an_nccl_communicator_refuses(fake_driver, monkeypatch) -> None:
+    monkeypatch.setattr(pc, "nccl_groups", lambda: ["tp"])
+    import dormant.memory.context_release as context_release
+
+    monkeypatch.setattr(context_release, "nccl_groups", lambda: ["tp"])
+    mm = MemoryManager("host")
+    try:
+        with pytest.raises(CommunicatorActiveError, match="tp"):
+            mm.context.release()
+        assert not mm.context.is_released and fake_driver.calls() == []
+    finally:
+        mm.close()
+
+
+def test_a_released_manager_refuses_the_device_and_defers_frees(fake_driver) -> None:
+    mm = MemoryManager("host")
+    try:
+        kept = mm.empty((4 * MiB,), torch.uint8, "weights")
+        kept.fill_(7)
+        doomed = mm.empty((4 * MiB,), torch.uint8, "runtime")
+        mm.sleep(level=1)
+        report = mm.context.release()
+        assert report.is_released and mm.context.is_released
+        assert mm.context.release() is report  # a second release is a no-op
+        with pytest.raises(ContextReleasedError, match="wake_up"):
+            mm.empty((16,), torch.uint8, "workspace")
+        with pytest.raises(ContextReleasedError):
+            mm.sleep(level=1)
+        status = mm.status()  # answers without the device
+        assert status.context is not None and status.context.is_released
+        assert "released" in status.table()
+        del doomed
+        gc.collect()
+        backend = mm.backend
+        # the free waits for the restore: its VA is still reserved
+        assert len(backend.live_reservations()) == 2  # type: ignore[attr-defined]
+        mm.wake_up()
+        assert not mm.context.is_released
+        assert len(backend.live_reservations()) == 1  # type: ignore[attr-defined]
+        assert bool((kept == 7).all())
+        assert fake_driver.ops() == ["lock", "checkpoint", "restore", "unlock"]
+        restored = mm.status().context
+        assert restored is not None and restored.restore_s is not None
+    finally:
+        mm.close()
+
+
+def test_closing_a_released_manager_restores_first(fake_driver) -> None:
+    mm = MemoryManager("host")
+    tensor = mm.empty((MiB,), torch.uint8, "weights")
+    mm.context.release()
+    mm.close()
+    assert fake_driver.ops() == ["lock", "checkpoint", "restore", "unlock"]
+    del tensor
