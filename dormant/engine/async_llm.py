@@ -322,6 +322,12 @@ class AsyncLLM:
         """Requests being generated or held (read without the loop: an instant's count)."""
         return len(self._tracked) + len(self._held)
 
+    @property
+    def output_processor(self) -> RequestCounts:
+        """vLLM's ``AsyncLLM.output_processor``, for its request counts (OpenRLHF balances
+        prompts over its engines by ``get_num_unfinished_requests()``)."""
+        return RequestCounts(self)
+
     async def asleep_tags(self) -> tuple[str, ...]:
         """Tags asleep (or in between) on any rank."""
         return await self._call(lambda: self.engine.sleep_control.asleep_tags)
@@ -554,6 +560,20 @@ def _check_vllm_request_options(lora_request: Any, priority: int) -> None:
             f"priority={priority!r}: dormant schedules first come, first served "
             "(scheduling_policy='fcfs'); pass priority=0"
         )
+
+
+class RequestCounts:
+    """What vLLM's ``OutputProcessor`` tells about unfinished requests: here, the requests
+    an ``AsyncLLM`` is generating or holding (``num_requests``)."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self._engine = engine
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._engine.num_requests
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.num_requests > 0
 
 
 def _kind_of(params: SamplingParams) -> RequestOutputKind:

@@ -33,7 +33,7 @@ from dormant.memory import (
     Policy,
     TagState,
 )
-from dormant.models import CausalLM, build_model
+from dormant.models import CausalLM, ModelConfig, build_model
 from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.model_runner import ModelRunner
@@ -108,6 +108,12 @@ class Worker:
         if self._runner is None:
             raise RuntimeError("the KV cache is not initialised yet")
         return self._runner
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's name: the model's config (``dtype``, ``vocab_size``...), as extensions read
+        it (OpenRLHF's ``WorkerWrap`` checks the dtype of every weight it receives)."""
+        return self.config.model_config
 
     @property
     def model_runner(self) -> ModelRunner:
