@@ -171,6 +171,13 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self.sleep_control.is_sleeping
 
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's ``LLMEngine.reset_prefix_cache`` (NeMo-RL calls it on ``llm.llm_engine``
+        before every sleep). No KV is kept across requests, so nothing can be stale: True."""
+        return True
+
     def sleep(self, level: int = 1, mode: str = "abort") -> list[RequestOutput]:
         """Sleeps every rank at ``level`` after handling in-flight requests by ``mode`` (level 0
         pauses scheduling only). On a paused engine the pause's choice stands: kept requests

@@ -134,3 +134,11 @@ def test_hf_overrides_empty_is_accepted_anything_else_refused(checkpoint) -> Non
         assert EngineConfig.create(str(checkpoint), device="cpu", hf_overrides=empty)
     with pytest.raises(UnsupportedOptionError, match=r"config\.json"):
         EngineConfig.create(str(checkpoint), device="cpu", hf_overrides={"num_hidden_layers": 1})
+
+
+def test_the_engine_object_has_reset_prefix_cache(make_llm, checkpoint) -> None:
+    """NeMo-RL calls ``llm.llm_engine.reset_prefix_cache()`` before every sleep (vllm_worker.py
+    L1282, L1298): an AttributeError before."""
+    llm = make_llm(str(checkpoint), enable_sleep_mode=True)
+    assert llm.llm_engine.reset_prefix_cache() is True
+    llm.sleep(level=1)
