@@ -174,10 +174,12 @@ class LLM:
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
         weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> None:
-        """SGLang's: receives the trainer's broadcast of each named tensor, in order."""
+        """SGLang's: receives the trainer's broadcast of each named tensor, in order, or with
+        ``load_format="flattened_bucket"`` one uint8 buffer holding their bytes back to back."""
         self.llm_engine.refits.update_weights_from_distributed(
-            names, dtypes, shapes, group_name, flush_cache, weight_version
+            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
         )
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:

@@ -205,7 +205,7 @@ async def update_weights_from_distributed(
     body: UpdateWeightsFromDistributedRequest, request: Request
 ) -> dict[str, Any]:
     kwargs = {"names": body.names, "dtypes": body.dtypes, "shapes": body.shapes,
-              "group_name": body.group_name}  # fmt: skip
+              "group_name": body.group_name, "load_format": body.load_format}  # fmt: skip
     await _refit_through(request, "update_weights_from_distributed", kwargs, body)
     return OK
 

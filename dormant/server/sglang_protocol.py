@@ -115,6 +115,7 @@ class UpdateWeightsFromDistributedRequest(Strict):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    load_format: str | None = None  # None, or "flattened_bucket": one buffer, back to back
 
 
 class DestroyWeightsUpdateGroupRequest(Strict):

@@ -137,6 +137,7 @@ class SlimeEngine:
         group_name: str,
         flush_cache: bool = False,
         weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> httpx.Response:
         payload = {
             "names": names,
@@ -147,6 +148,8 @@ class SlimeEngine:
         }
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
         return self.make_request("update_weights_from_distributed", payload)
 
     def update_weights_from_tensor(  # L245-268
@@ -284,6 +287,18 @@ def _distributed_trainer(port: int, conn: Connection) -> None:
         handles = [dist.broadcast(t.data, 0, group=group, async_op=True) for _, t in named]
         for handle in handles:
             handle.wait()
+
+
+def _flattened_bucket_trainer(port: int, checkpoint: Path, conn: Connection) -> None:
+    """SGLang's ``load_format="flattened_bucket"`` over the group: the metadata, then one
+    broadcast of the bucket's buffer (``update_weights_from_distributed`` takes the field)."""
+    import torch.distributed as dist
+
+    group = _init_process_group(port, world_size=2)
+    named = trained_weights(checkpoint)
+    conn.send(([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named]))
+    dist.broadcast(flattened_bucket(named)["flattened_tensor"], 0, group=group)
+    conn.recv()
 
 
 @dataclass
@@ -441,6 +456,38 @@ def test_slime_cycle_over_flattened_tensor_buckets(checkpoints, fresh, spawn, de
         assert rollout(slime) == expected
         assert slime.get_weight_version() == "1"
         assert_fully_awake(server, slime)
+    finally:
+        slime.close()
+        server.close()
+
+
+def test_update_weights_from_distributed_takes_sglangs_load_format(checkpoints, fresh, spawn):
+    """SGLang's field, which slime passes when set (sglang_engine.py L416-417): a
+    ``"flattened_bucket"`` arrives as one broadcast; an unknown format is refused before
+    anything is received."""
+    expected = fresh_rollout(fresh, checkpoints, "cpu", 2)
+    server = Server(checkpoints[1], "cpu")
+    slime = SlimeEngine(server.url)
+    try:
+        port = free_port()
+        trainer = spawn(_flattened_bucket_trainer, port, checkpoints[2])
+        reply = slime.init_weights_update_group(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+            group_name=GROUP, backend="gloo",
+        )  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        names, dtypes, shapes = trainer.recv()
+        reply = slime.update_weights_from_distributed(
+            names, dtypes, shapes, GROUP, load_format="bogus"
+        )
+        assert_refused(reply, 400, "UpdateGroupError")
+        reply = slime.update_weights_from_distributed(
+            names, dtypes, shapes, GROUP, weight_version="1", load_format="flattened_bucket"
+        )
+        assert reply.status_code == 200, reply.text
+        trainer.send(None)
+        assert rollout(slime) == expected
+        assert slime.get_weight_version() == "1"
     finally:
         slime.close()
         server.close()
