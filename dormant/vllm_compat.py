@@ -10,12 +10,14 @@ What it registers, all backed by dormant's own classes:
     module                                  names
     ──────────────────────────────────────  ───────────────────────────────────────────────
     vllm                                    LLM, AsyncLLMEngine, SamplingParams, RequestOutput,
-                                            CompletionOutput, TokensPrompt, TextPrompt, __version__
+                                            CompletionOutput, TokensPrompt, TextPrompt,
+                                            EngineArgs, AsyncEngineArgs, __version__
     vllm.sampling_params                    SamplingParams, RequestOutputKind,
                                             StructuredOutputsParams (refused when built)
     vllm.outputs / vllm.logprobs / vllm.inputs   the output, Logprob and prompt types
     vllm.logger                             init_logger (a logging logger; NeMo-RL's)
     vllm.v1.engine.async_llm                AsyncLLM
+    vllm.utils                              random_uuid (OpenRLHF's request ids)
     vllm.utils.network_utils                get_open_port (a free port), get_ip (loopback)
     vllm.distributed.weight_transfer.*      names that raise when used: vLLM's own NCCL
                                             transfer engine has no dormant equivalent; use
@@ -33,6 +35,7 @@ import logging
 import socket
 import sys
 import types
+import uuid
 from typing import Any
 
 from dormant.errors import EngineError
@@ -68,7 +71,8 @@ def install_as_vllm() -> types.ModuleType:
     outputs = {"RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput}
     root = _module(
         "vllm", LLM=LLM, AsyncLLMEngine=AsyncLLM, SamplingParams=SamplingParams,
-        __version__=VLLM_VERSION, **outputs, **inputs,
+        EngineArgs=EngineArgs, AsyncEngineArgs=AsyncEngineArgs, __version__=VLLM_VERSION,
+        **outputs, **inputs,
     )  # fmt: skip
     _module("vllm.sampling_params", SamplingParams=SamplingParams,
             RequestOutputKind=RequestOutputKind, StructuredOutputsParams=StructuredOutputsParams,
@@ -80,13 +84,35 @@ def install_as_vllm() -> types.ModuleType:
     _module("vllm.v1")
     _module("vllm.v1.engine")
     _module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
-    _module("vllm.utils")
+    _module("vllm.utils", random_uuid=random_uuid)
     _module("vllm.utils.network_utils", get_open_port=get_open_port, get_ip=get_ip)
     _module("vllm.distributed")
     _module("vllm.distributed.weight_transfer")
     for name, symbols in _UNPROVIDED.items():
         _module(name, **{symbol: _unprovided(f"{name}.{symbol}") for symbol in symbols})
     return root
+
+
+class EngineArgs:
+    """vLLM's ``EngineArgs``: the engine's options as attributes (``model`` first), built into
+    an engine by ``AsyncLLMEngine.from_engine_args(args)``, which validates them (an unknown
+    option raises TypeError there, a value dormant cannot honour UnsupportedOptionError)."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        if model is not None:
+            self.model = model
+        for name, value in options.items():
+            setattr(self, name, value)
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's ``AsyncEngineArgs`` (OpenRLHF: ``AsyncLLMEngine.from_engine_args(
+    AsyncEngineArgs(**kwargs))``)."""
+
+
+def random_uuid() -> str:
+    """vLLM's ``vllm.utils.random_uuid``: a fresh request id (32 hex digits)."""
+    return uuid.uuid4().hex
 
 
 class TokensPrompt(dict[str, Any]):
