@@ -94,7 +94,15 @@ def _add_info_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
 
     async def server_info() -> dict[str, Any]:
         settings = serving.settings
+        config = engine.engine.config
         return {
+            # SGLang's server-args names that RL frameworks read: slime sizes an external
+            # engine by tp/pp size and checks enable_memory_saver against --offload-rollout.
+            "enable_memory_saver": bool(config.enable_sleep_mode),
+            "tp_size": config.tensor_parallel_size,
+            "pp_size": 1,
+            "dp_size": 1,
+            "ep_size": 1,
             "version": version(),
             "served_model_names": list(settings.served_model_names),
             "max_model_len": serving.max_model_len,

@@ -491,3 +491,29 @@ def test_update_weights_from_distributed_takes_sglangs_load_format(checkpoints, 
     finally:
         slime.close()
         server.close()
+
+
+def test_slime_finds_dormant_as_an_external_engine(checkpoints) -> None:
+    """``--rollout-external-engine-addrs``: ``discover_external_engines``
+    (slime/backends/sglang_utils/external.py L76-120) reads ``/server_info`` for the engine's
+    size and kind, and ``SGLangEngine._init_external`` (sglang_engine.py L157-170) asserts that
+    each checked field equals what slime would have launched (``_compute_server_args``
+    L527-573: for a regular worker, ``enable_memory_saver`` is ``--offload-rollout``)."""
+    server = Server(checkpoints[1], "cpu")
+    slime = SlimeEngine(server.url)
+    try:
+        reply = slime.http.get("/server_info")
+        reply.raise_for_status()
+        server_info = reply.json()
+        pp_size = int(server_info.get("pp_size") or server_info.get("pipeline_parallel_size") or 1)
+        tp_size = int(server_info.get("tp_size") or server_info.get("tensor_parallel_size") or 1)
+        num_gpus = int(server_info.get("num_gpus") or tp_size * pp_size)
+        assert (tp_size, pp_size, num_gpus) == (1, 1, 1)
+        assert not server_info.get("encoder_only")
+        assert server_info.get("disaggregation_mode") not in ("prefill", "decode")  # "regular"
+        expected = {"enable_memory_saver": True}  # dormant serve sleeps: --offload-rollout
+        for name, value in expected.items():
+            assert server_info.get(name) == value, (name, server_info.get(name))
+    finally:
+        slime.close()
+        server.close()
