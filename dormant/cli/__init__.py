@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--size", choices=("tiny", "small"), default=None,
                       help="model size (default: small on a GPU, tiny on the CPU)")  # fmt: skip
+    demo.add_argument("--model-family", choices=("dense", "moe"), default="dense",
+                      help="dense Qwen3, or Qwen3-MoE (fused experts)")  # fmt: skip
     demo.add_argument("--png", default="dormant-demo.png", help="where to write the timeline")
     add_serve_parser(commands)
     return parser
@@ -59,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from dormant.cli.demo import run_demo
 
-        return run_demo(device=args.device, level=args.level, size=args.size, png=args.png)
+        return run_demo(
+            device=args.device,
+            level=args.level,
+            size=args.size,
+            png=args.png,
+            family=args.model_family,
+        )
     return run_serve(args)
 
 

@@ -41,6 +41,15 @@ SIZES = {
         vocab_size=32768,
     ),
 }
+# The MoE family (Qwen3-MoE): the dense sizes' attention, experts in every layer.
+MOE_SIZES = {
+    "tiny": dict(
+        num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128
+    ),
+    "small": dict(
+        num_hidden_layers=12, num_experts=32, num_experts_per_tok=8, moe_intermediate_size=768
+    ),
+}
 PROMPTS = [
     "The trainer and the engine share one GPU.",
     "Sleep, then wake bit-exact.",
@@ -51,9 +60,12 @@ PROMPT_IDS = [{"prompt_token_ids": list(p.encode())} for p in PROMPTS]
 PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, ignore_eos=True)
 
 
-def hf_config(size: str, on_gpu: bool) -> dict[str, object]:
+def hf_config(size: str, on_gpu: bool, family: str = "dense") -> dict[str, object]:
+    moe: dict[str, object] = {}
+    if family == "moe":
+        moe = {**MOE_SIZES[size], "norm_topk_prob": True, "decoder_sparse_step": 1}
     return {
-        "architectures": ["Qwen3ForCausalLM"],
+        "architectures": ["Qwen3MoeForCausalLM" if family == "moe" else "Qwen3ForCausalLM"],
         "head_dim": 128 if size == "small" else 32,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
@@ -62,6 +74,7 @@ def hf_config(size: str, on_gpu: bool) -> dict[str, object]:
         "torch_dtype": "bfloat16" if on_gpu else "float32",
         "eos_token_id": 0,
         **SIZES[size],
+        **moe,
     }
 
 
@@ -94,10 +107,10 @@ def stand_in_training_step(device: torch.device, free_bytes: int) -> int:
     return nbytes
 
 
-def run_demo(device: str, level: int, size: str | None, png: str) -> int:
+def run_demo(device: str, level: int, size: str | None, png: str, family: str = "dense") -> int:
     on_gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     size = size or ("small" if on_gpu else "tiny")
-    raw = hf_config(size, on_gpu)
+    raw = hf_config(size, on_gpu, family)
     config = ModelConfig.from_dict(raw)
     options: dict[str, object] = dict(
         device="cuda" if on_gpu else "cpu", max_model_len=512, max_num_seqs=16
@@ -107,7 +120,8 @@ def run_demo(device: str, level: int, size: str | None, png: str) -> int:
     else:
         options["gpu_memory_utilization"] = 0.5
     print(
-        f"dormant demo: {size} random Qwen3 on {'GPU' if on_gpu else 'CPU (host backend)'}, "
+        f"dormant demo: {size} random {'Qwen3-MoE' if family == 'moe' else 'Qwen3'} on "
+        f"{'GPU' if on_gpu else 'CPU (host backend)'}, "
         f"RL cycle at sleep level {level}",
         flush=True,
     )
