@@ -39,11 +39,11 @@ def moe_hf_config(**overrides: object):
     return Qwen3MoeConfig(**options)
 
 
-def hf_moe_model(seed: int):
+def hf_moe_model(seed: int, **overrides: object):
     from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(moe_hf_config()).eval()
+    model = Qwen3MoeForCausalLM(moe_hf_config(**overrides)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # random norms, so every weight matters
@@ -51,9 +51,12 @@ def hf_moe_model(seed: int):
     return model
 
 
-def write_moe_checkpoint(path: Path, seed: int, with_tokenizer: bool = True) -> Path:
+def write_moe_checkpoint(
+    path: Path, seed: int, with_tokenizer: bool = True, **overrides: object
+) -> Path:
+    """``overrides`` change ``moe_hf_config``'s sizes."""
     path.mkdir(parents=True, exist_ok=True)
-    hf_moe_model(seed).save_pretrained(path)
+    hf_moe_model(seed, **overrides).save_pretrained(path)
     if with_tokenizer:
         write_tokenizer(path)
     return path
