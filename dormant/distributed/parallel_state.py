@@ -134,11 +134,13 @@ def use_tp_group(group: TPGroup) -> Iterator[TPGroup]:
         init_tp_group(previous)
 
 
-def all_reduce_min(value: int) -> int:
-    """The minimum of ``value`` over every rank of the default group (``value`` without one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_reduce_min(value: int, group: TPGroup | None = None) -> int:
+    """The minimum of ``value`` over the ranks of ``group`` (default: the current TP group),
+    never over a wider world: under data parallelism other engines share the world group."""
+    group = get_tp_group() if group is None else group
+    if not isinstance(group, DistributedTPGroup) or group.world_size == 1:
         return value
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device = "cuda" if dist.get_backend(group.process_group) == "nccl" else "cpu"
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group.process_group)
     return int(tensor.item())
