@@ -40,7 +40,11 @@ def _topk_softmax_kernel(
     row = logits_ptr + token.to(tl.int64) * stride_logits
     logits = tl.load(row + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))
-    probs = tl.where(is_expert, exps / tl.sum(exps, axis=0), -2.0)  # padding is never chosen
+    probs = exps / tl.sum(exps, axis=0)
+    # Ranks: real probabilities >= 0 > NaN (-1) > padding (-2) > taken (-3). A NaN row still
+    # picks top_k distinct real experts, so the ids stay in [0, num_experts) whatever the input.
+    probs = tl.where(probs == probs, probs, -1.0)
+    probs = tl.where(is_expert, probs, -2.0)
     slots = tl.arange(0, TOP_K_PAD)
     top_weights = tl.zeros([TOP_K_PAD], tl.float32)
     top_ids = tl.zeros([TOP_K_PAD], tl.int32)
@@ -48,7 +52,7 @@ def _topk_softmax_kernel(
         best = tl.argmax(probs, axis=0)
         top_weights = tl.where(slots == slot, tl.max(probs, axis=0), top_weights)
         top_ids = tl.where(slots == slot, best.to(tl.int32), top_ids)
-        probs = tl.where(experts == best, -1.0, probs)  # taken
+        probs = tl.where(experts == best, -3.0, probs)  # taken
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=0)
     out = token.to(tl.int64) * TOP_K + slots

@@ -52,6 +52,15 @@ def test_topk_softmax_matches_select_experts(shape, renormalize: bool) -> None:
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_topk_softmax_keeps_ids_in_range_on_nan_rows() -> None:
+    logits = torch.randn(4, 8, device=DEVICE)
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    _, ids = topk_softmax(logits, 3, True)
+    assert bool(((ids >= 0) & (ids < 8)).all())
+    assert all(len(set(row.tolist())) == 3 for row in ids.cpu())  # distinct experts per token
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_align_sorts_every_pair_once_into_its_experts_blocks(shape, block_m: int) -> None:
