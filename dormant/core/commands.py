@@ -16,6 +16,7 @@ class Command(enum.Enum):
     EXECUTE = "execute"
     EXECUTE_MULTI_STEP = "execute_multi_step"
     SLEEP = "sleep"
+    CHECK_RELEASE_CONTEXT = "check_release_context"  # can sleep(release_context=True) work?
     WAKE_UP = "wake_up"
     SLEEP_STATE = "sleep_state"
     RELOAD_WEIGHTS = "reload_weights"

@@ -180,10 +180,14 @@ class AsyncLLM:
 
     # ── sleep, pause, refit ──────────────────────────────────────────────────────────────────
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    async def sleep(
+        self, level: int = 1, mode: str = "abort", release_context: bool = False
+    ) -> None:
         """``LLM.sleep`` between two steps. ``wait`` drains the running requests through the
         loop (their streams keep flowing) before memory sleeps."""
-        await self._settled(mode, lambda: self._deliver(self.engine.sleep(level, mode)))
+        await self._settled(
+            mode, lambda: self._deliver(self.engine.sleep(level, mode, release_context))
+        )
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> bool:
         """Wakes ``tags`` (all when None); returns whether the engine is fully awake. Kept

@@ -89,10 +89,14 @@ class LLM:
         blocks only within a request), so no cached KV can be stale: True, as vLLM's success."""
         return True
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    def sleep(self, level: int = 1, mode: str = "abort", release_context: bool = False) -> None:
         """Frees memory: level 1 offloads the weights to host RAM and discards the KV cache;
-        level 2 discards both (refit before generating); level 0 only pauses scheduling."""
-        self.llm_engine.sleep(level, mode)
+        level 2 discards both (refit before generating); level 0 only pauses scheduling.
+        ``release_context=True`` (one GPU, no NCCL group, display driver 570+) then has the
+        driver checkpoint the rest, the CUDA context included: the GPU shows nothing for this
+        process until ``wake_up``, which restores it first (dormant.memory.process_checkpoint).
+        """
+        self.llm_engine.sleep(level, mode, release_context)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> bool:
         """Maps memory back at the same addresses: all tags, or the ones named (with their

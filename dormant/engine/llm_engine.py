@@ -29,7 +29,7 @@ from dormant.engine.refits import WeightRefits
 from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, make_request_input
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import SequenceFactory
-from dormant.engine.sleep_control import SLEEP_MODES, SleepControl
+from dormant.engine.sleep_control import SLEEP_MODES, SleepControl, check_release_context
 from dormant.engine.tokenizer import Tokenizer, load_tokenizer
 from dormant.executors import Executor, UniprocExecutor, make_executor
 from dormant.memory import KV_CACHE
@@ -178,22 +178,32 @@ class LLMEngine:
         before every sleep). No KV is kept across requests, so nothing can be stale: True."""
         return True
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> list[RequestOutput]:
+    def sleep(
+        self, level: int = 1, mode: str = "abort", release_context: bool = False
+    ) -> list[RequestOutput]:
         """Sleeps every rank at ``level`` after handling in-flight requests by ``mode`` (level 0
         pauses scheduling only). On a paused engine the pause's choice stands: kept requests
         stay kept. Returns the requests that finished during the call (aborted or drained). A
-        conflicting request raises before anything changes (``SleepControl``)."""
+        conflicting request raises before anything changes (``SleepControl``).
+
+        ``release_context``: the driver then checkpoints what is left of each process's device
+        state, its CUDA context included (zero residual; one GPU, no NCCL group); ``wake_up``
+        restores it first. Refused before anything changes where it cannot work."""
         self._check_sleep_mode_enabled()
         _check_mode(mode)
         control = self.sleep_control
         control.check_sleep(level)
+        if release_context:
+            check_release_context(level, self.config.tensor_parallel_size)
+            self.executor.run(Command.CHECK_RELEASE_CONTEXT)
         if control.is_paused:
             mode = "keep"  # the pause settled the requests already; what it kept stays kept
         elif mode == "wait" and self.scheduler.has_unfinished:
             control.check_can_generate()  # draining needs a runnable engine
         finished = self._settle_requests(mode, discards_kv=level > 0)
         if level > 0:
-            self._run_sleep_command(Command.SLEEP, level)
+            release = (None, True) if release_context else ()  # (tags, release_context)
+            self._run_sleep_command(Command.SLEEP, level, *release)
         control.asked(level)
         return finished
 

@@ -20,6 +20,10 @@ The rules, each decided here and nowhere else::
                                                                 nothing is asleep
     step / generate       paused, a tag asleep, stale weights   EngineAsleepError /
                                                                 WeightsNotLoadedError
+    sleep(L, release_     L = 0, or tensor parallel, or NCCL    ValueError / Communicator-
+      context=True)       groups, or no driver support          ActiveError / Checkpoint-
+                                                                UnsupportedError, nothing
+                                                                changes (check_release_context)
 
 A tag's state is the rank's own report (derived there from its allocations); ranks must agree,
 and a disagreement raises ``RankStateMismatchError`` naming the ranks, instead of trusting
@@ -44,6 +48,7 @@ from dormant.memory import (
     RUNTIME,
     WEIGHTS,
     WORKSPACE,
+    CommunicatorActiveError,
     Policy,
     TagState,
     UnknownTagError,
@@ -180,3 +185,18 @@ class SleepControl:
 def _describe(state: RankSleepState) -> str:
     asleep = {tag: s.value for tag, s in state.tags if s is not TagState.AWAKE}
     return f"asleep {asleep or 'nothing'}, {len(state.stale_weights)} stale weights"
+
+
+def check_release_context(level: int, tensor_parallel_size: int) -> None:
+    """``sleep(level, release_context=True)``'s own rules, checked on the driver before anything
+    changes (each rank then checks its process: NCCL groups, the driver's support)."""
+    if level < 1:
+        raise ValueError(
+            "release_context=True needs sleep(level=1) or sleep(level=2): level 0 only pauses "
+            "scheduling and releases no memory"
+        )
+    if tensor_parallel_size > 1:
+        raise CommunicatorActiveError(
+            f"tensor_parallel_size={tensor_parallel_size}: the ranks' NCCL communicators cannot "
+            "be checkpointed by the driver; release_context is for a one-GPU engine"
+        )

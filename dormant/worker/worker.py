@@ -33,6 +33,7 @@ from dormant.memory import (
     Policy,
     TagState,
 )
+from dormant.memory.process_checkpoint import CommunicatorActiveError
 from dormant.models import CausalLM, ModelConfig, build_model
 from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
@@ -76,6 +77,7 @@ class Worker:
             Command.EXECUTE: self.execute,
             Command.EXECUTE_MULTI_STEP: self.execute_multi_step,
             Command.SLEEP: self.sleep,
+            Command.CHECK_RELEASE_CONTEXT: self.check_release_context,
             Command.WAKE_UP: self.wake_up,
             Command.SLEEP_STATE: self.sleep_state,
             Command.RELOAD_WEIGHTS: self.refitter.reload_weights,
@@ -146,6 +148,7 @@ class Worker:
         model.weight_observer = self.refits
         self.refitter.load_checkpoint(self.config.model)
         self.mm.guard_addresses("weights", lambda: list(model.parameters()))
+        self.mm.residual.mark("the model was loaded")
         return tuple(model.expected_weight_shapes())
 
     def _check_weights_writable(self) -> None:
@@ -194,13 +197,22 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
-    def sleep(self, level: int, tags: Sequence[str] | None = None) -> RankSleepState:
+    def sleep(
+        self, level: int, tags: Sequence[str] | None = None, release_context: bool = False
+    ) -> RankSleepState:
         """Puts this rank's memory to sleep with ``level``'s policies: every tag, or only
         ``tags``. Discarding the weights marks every weight stale, even if the sleep fails
-        after discarding some of them. Returns the state after the sleep."""
+        after discarding some of them. Then torch's cuBLAS workspaces and cache go back to the
+        driver, and with ``release_context`` the driver checkpoints the rest of the process's
+        device state, its CUDA context included (``check_release_context`` says when it
+        cannot, before anything changes); ``wake_up`` restores it. Returns the state after."""
         policies = dict(LEVELS[level])
         if tags is not None:
             policies = {tag: policies[tag] for tag in tags}
+        if self.mm.context.is_released:
+            return self._sleep_while_released(policies)
+        if release_context:
+            self.check_release_context()
         was_awake = self.mm.tag_states()[WEIGHTS] is TagState.AWAKE
         try:
             self.mm.sleep(tags=policies)
@@ -208,8 +220,30 @@ class Worker:
             discards = policies.get(WEIGHTS) is Policy.DISCARD
             if discards and was_awake and self.mm.tag_states()[WEIGHTS] is not TagState.AWAKE:
                 self.refits.discarded()
-        if self.mm.backend.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand torch's cached blocks back to the trainer too
+        self.mm.residual.release_torch_memory()  # back to the driver, and to a trainer
+        if release_context:
+            self.mm.context.release()
+        return self.sleep_state()
+
+    def check_release_context(self) -> None:
+        """Raises, changing nothing, if this rank cannot release its process's CUDA context:
+        NCCL communicators (a tensor-parallel rank, a weight-update group over NCCL:
+        CommunicatorActiveError), a driver without the checkpoint API
+        (CheckpointUnsupportedError)."""
+        if self.world_size > 1:
+            raise CommunicatorActiveError(
+                f"rank {self.rank} of {self.world_size}: a tensor-parallel engine's NCCL "
+                "communicator cannot be checkpointed; release_context is for one GPU"
+            )
+        self.mm.context.check()
+
+    def _sleep_while_released(self, policies: dict[str, Policy]) -> RankSleepState:
+        """A sleep that would change nothing is a no-op while the CUDA state is checkpointed
+        (callers sleep defensively); any other needs the device and raises."""
+        tags = {t.tag: t for t in self.mm.status().tags}
+        if any(tags[tag].num_allocations and tags[tag].asleep_policy is not p
+               for tag, p in policies.items() if p is not Policy.KEEP):  # fmt: skip
+            self.mm.context.check_usable(f"sleep with {policies}")
         return self.sleep_state()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> RankSleepState:
@@ -246,6 +280,7 @@ class Worker:
     def shutdown(self) -> None:
         """Drops the model, KV cache and runner so their memory returns now, then closes the
         memory manager (the device can host another engine afterwards)."""
+        self.mm.context.restore()  # the frees below need the device
         if self._model is not None:
             for layer in self._model.attention_layers():
                 layer.kv_cache = None
