@@ -6,7 +6,8 @@ Values discovered at run time (the number of KV blocks, EOS ids) are not here: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -26,7 +27,7 @@ LoadFormat = Literal["auto", "safetensors", "dummy"]
 # logits, or of the logits the sampler used (temperature, top-k/p, min-p, penalties applied).
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 # vLLM's names for how the workers are reached; "uni" is the in-process single rank.
-ExecutorBackend = Literal["uni", "mp", "external_launcher"]
+ExecutorBackend = Literal["uni", "mp", "external_launcher", "ray"]
 DEFAULT_MAX_NUM_SEQS = 64
 
 
@@ -63,8 +64,12 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, ... max_num_seqs
     cuda_graph_multi_steps: int = 4  # steps of the fused multi-step graph; < 2 captures none
     tensor_parallel_size: int = 1
-    # None: "uni" for one rank, "mp" for more; "external_launcher": this process is one rank
+    # None: "uni" for one rank, "mp" for more ("ray" when a placement_group is given);
+    # "external_launcher": this process is one rank; "ray": one Ray actor per rank
     distributed_executor_backend: ExecutorBackend | None = None
+    # vLLM's: the Ray placement group whose bundles host the workers (None: the current one,
+    # else one dormant creates). Not part of the configuration's identity.
+    placement_group: Any = field(default=None, compare=False, repr=False)
     worker_extension_cls: str | None = None  # vLLM's: "pkg.module.Class" mixed into workers
     memory_poison: bool = False  # debug: fill discarded memory with 0xFF on wake
     memory_strict: bool = False  # refuse to discard undeclared allocations
@@ -118,17 +123,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_supported("load_format", self.load_format, get_args(LoadFormat))
         _check_supported("logprobs_mode", self.logprobs_mode, get_args(LogprobsMode))
-        if self.distributed_executor_backend == "ray":
-            raise UnsupportedOptionError(
-                "distributed_executor_backend='ray' is not supported: dormant reaches its "
-                "ranks in-process ('uni'), one process per rank ('mp'), or through torchrun "
-                "('external_launcher')"
-            )
         _check_supported(
             "distributed_executor_backend",
             self.distributed_executor_backend,
             (None, *get_args(ExecutorBackend)),
         )
+        _check_ray_options(self.distributed_executor_backend, self.placement_group)
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise UnsupportedOptionError(
                 "distributed_executor_backend='uni' runs one rank in this process, but "
@@ -169,6 +169,20 @@ def _check_supported(name: str, value: object, supported: tuple[object, ...]) ->
         raise UnsupportedOptionError(
             f"{name}={value!r} is not supported by dormant; supported: "
             f"{', '.join(repr(v) for v in supported)}"
+        )
+
+
+def _check_ray_options(backend: str | None, placement_group: Any) -> None:
+    """Ray is optional: choosing it without Ray installed names the extra to install."""
+    if placement_group is not None and backend not in (None, "ray"):
+        raise UnsupportedOptionError(
+            f"placement_group is a Ray placement group, but distributed_executor_backend="
+            f"{backend!r}; use distributed_executor_backend='ray' (or leave it unset)"
+        )
+    if (backend == "ray" or placement_group is not None) and find_spec("ray") is None:
+        raise UnsupportedOptionError(
+            "distributed_executor_backend='ray' needs Ray, which is not installed: "
+            "pip install 'dormant[ray]'"
         )
 
 

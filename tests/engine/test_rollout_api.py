@@ -65,7 +65,6 @@ def test_bad_params_raise_typed_errors_and_queue_nothing(
     [
         ({"quantization": "fp8"}, "quantization='fp8'"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-        ({"distributed_executor_backend": "ray"}, "'ray'"),
         ({"enable_expert_parallel": True}, "enable_expert_parallel"),
         ({"model_impl": "transformers"}, "model_impl"),
         ({"logprobs_mode": "raw"}, "logprobs_mode='raw'"),
