@@ -40,9 +40,7 @@ class EngineConfig:
 
     vLLM options with no dormant field (``quantization``, ``compilation_config``...) are
     resolved by ``create`` (see ``core/vllm_options.py``): a value dormant cannot honour raises
-    ``UnsupportedOptionError``. ``enable_prefix_caching`` and ``enable_chunked_prefill`` are
-    recorded only: dormant has no prefix cache yet and prefills whole prompts, neither of
-    which changes what is generated.
+    ``UnsupportedOptionError``.
     """
 
     model: str | None
@@ -78,8 +76,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # prompts are token ids; outputs carry no text
     trust_remote_code: bool = False  # passed to the tokenizer and config loaders
     served_model_name: str | tuple[str, ...] | None = None
-    enable_prefix_caching: bool = False  # recorded; dormant has no prefix cache yet
-    enable_chunked_prefill: bool | None = None  # recorded; prompts are prefilled whole
+    # vLLM's defaults: cached KV blocks are found again by their tokens (never stale: the
+    # engine drops them on any refit or KV discard), and steps mix decodes with prompt chunks
+    # (None: on, as vLLM V1; False: a step is a prefill of whole prompts or a decode).
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool | None = None
     disable_log_stats: bool = True  # dormant logs no stats either way
 
     @classmethod

@@ -7,7 +7,7 @@ second copy of the memory state that could disagree with the memory layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dormant.memory import TagState
 
@@ -19,12 +19,17 @@ class RankSleepState:
     ``tags`` maps every tag of the rank's memory manager to its derived state, in tag order.
     ``stale_weights`` are the checkpoint names whose contents were discarded (a level-2 sleep)
     or left half-written (a refit that failed) and not written since; ``num_weights`` counts
-    all of them.
+    all of them. ``num_weight_writes`` counts every write of weights (by any path), failed
+    write and discard since the rank started, and ``num_kv_discards`` every sleep of the KV
+    cache: when either moves, KV computed before is stale (the driver's prefix cache).
     """
 
     tags: tuple[tuple[str, TagState], ...]
     stale_weights: frozenset[str]
     num_weights: int
+    # Counts, not state: ranks may write their shards in different numbers of calls.
+    num_weight_writes: int = field(default=0, compare=False)
+    num_kv_discards: int = field(default=0, compare=False)
 
     def state(self, tag: str) -> TagState:
         return dict(self.tags)[tag]

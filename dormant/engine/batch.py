@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from dormant.core.step_input import SeqInput, StepInput
@@ -20,9 +21,12 @@ class SchedulerConfig:
         num_decode_steps: decode steps one batch may run at once (the worker's fused
             multi-step graph); 1 runs one step per batch.
         max_multi_step_seqs: the largest batch that may run several steps at once.
+        enable_chunked_prefill: steps mix decodes with chunks of prompts (vLLM V1); off,
+            a step is a prefill of whole sequences or a decode.
 
-    Since prefills are not chunked, a sequence of ``max_model_len`` tokens must fit in one
-    step, so ``max_num_batched_tokens >= max_model_len`` is required.
+    Without chunked prefill a sequence of ``max_model_len`` tokens must fit in one step, so
+    ``max_num_batched_tokens >= max_model_len`` is required; a full decode batch must always
+    fit, so ``max_num_batched_tokens >= max_num_seqs``.
     """
 
     max_num_seqs: int
@@ -30,6 +34,7 @@ class SchedulerConfig:
     max_model_len: int
     num_decode_steps: int = 1
     max_multi_step_seqs: int = 1
+    enable_chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps")
@@ -37,11 +42,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}): prefills are not chunked, so a "
-                "preempted sequence must be recomputable in one step"
+                f"max_model_len ({self.max_model_len}) without chunked prefill, so that a "
+                "preempted sequence is recomputable in one step; or enable chunked prefill"
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -52,20 +57,36 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """The sequences of one step.
+    """The rows of one step: sequence ``seqs[i]`` computes ``num_new_tokens[i]`` positions from
+    its ``num_computed_tokens`` on, then samples one token if that reaches its last token (a
+    chunk of a longer prompt samples nothing). A decode (every row computes its newest token
+    only) with ``num_steps > 1`` repeats that ``num_steps`` times, greedily, feeding each token
+    back. Block tables already cover all computed positions.
 
-    For a prefill, each sequence computes positions ``num_computed_tokens .. num_tokens-1``;
-    for a decode, each computes its last position ``num_tokens-1``. Either way every
-    sequence then samples one token. A decode with ``num_steps > 1`` repeats that
-    ``num_steps`` times, greedily, feeding each token back. Block tables already cover all
-    computed positions. ``num_scheduled_tokens`` is the total number of positions computed,
-    fixed at scheduling.
+    ``is_prefill`` (some row is not a decode: the step runs eagerly, not from a decode graph),
+    ``num_scheduled_tokens`` (positions computed, over all steps) and ``num_prefill_tokens``
+    (those of the rows that are not decodes) are fixed when the batch is scheduled.
     """
 
     seqs: tuple[Sequence, ...]
+    num_new_tokens: tuple[int, ...]
     is_prefill: bool
     num_scheduled_tokens: int
+    num_prefill_tokens: int
     num_steps: int = 1
+
+    @classmethod
+    def of(cls, rows: SequenceOf[tuple[Sequence, int]], num_steps: int = 1) -> ScheduledBatch:
+        """The batch of ``rows`` (a sequence and its number of new positions), scheduled now."""
+        prefill = [n for seq, n in rows if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1]
+        return cls(
+            seqs=tuple(seq for seq, _ in rows),
+            num_new_tokens=tuple(n for _, n in rows),
+            is_prefill=bool(prefill),
+            num_scheduled_tokens=sum(n for _, n in rows) * num_steps,
+            num_prefill_tokens=sum(prefill),
+            num_steps=num_steps,
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -78,17 +99,14 @@ class ScheduledBatch:
         with ``stop_token_ids`` until a request has that many outputs, unless ``ignore_eos``.
         Each feature's data is sent only by the requests that use it (``core/step_input.py``).
         """
-        return StepInput(
-            tuple(self._seq_input(seq, eos_token_ids) for seq in self.seqs), self.is_prefill
-        )
+        rows = zip(self.seqs, self.num_new_tokens, strict=True)
+        seq_inputs = tuple(self._seq_input(seq, n, eos_token_ids) for seq, n in rows)
+        return StepInput(seq_inputs, self.is_prefill)
 
-    def _seq_input(self, seq: Sequence, eos_token_ids: frozenset[int]) -> SeqInput:
+    def _seq_input(self, seq: Sequence, num_new: int, eos_token_ids: frozenset[int]) -> SeqInput:
         params = seq.params
-        if self.is_prefill:
-            start = seq.num_computed_tokens
-            token_ids = tuple(seq.token_ids[start:])
-        else:
-            start, token_ids = seq.num_tokens - 1, (seq.last_token_id,)
+        start = seq.num_computed_tokens
+        token_ids = tuple(seq.token_ids_between(start, start + num_new))
         bad_words = tuple(tuple(word) for word in params.bad_words_token_ids or ())
         is_penalised = (params.presence_penalty, params.frequency_penalty) != (0.0, 0.0)
         is_repetition_penalised = params.repetition_penalty != 1.0
@@ -110,10 +128,9 @@ class ScheduledBatch:
             prompt_token_ids=seq.prompt_token_ids if is_repetition_penalised else None,
             masked_stop_token_ids=masked,
             bad_words_token_ids=bad_words,
-            # The first prefill: nothing computed yet and no output (a recompute has outputs).
+            # The first prefill (a recompute has outputs), whole and uncached (the scheduler
+            # neither chunks it nor gives it cached blocks): every prompt position is here.
             compute_prompt_logprobs=(
-                self.is_prefill
-                and params.prompt_logprobs is not None
-                and seq.num_output_tokens == 0
+                params.prompt_logprobs is not None and seq.num_output_tokens == 0
             ),
         )

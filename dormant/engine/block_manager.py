@@ -1,23 +1,26 @@
-"""Hands out KV-cache blocks to sequences, reference-counted so that the ``n`` samples of a
-request share their prompt's full blocks (no prefix caching across requests).
+"""Hands out KV-cache blocks to sequences, reference-counted, and (with prefix caching) finds
+full blocks again by the tokens they hold (``engine/prefix_cache.py``).
 
 A sequence's KV for token position ``p`` lives in block ``block_table[p // block_size]`` at
 offset ``p % block_size``; its flat slot in the cache is ``block_id * block_size + offset``.
 
-Sharing is read-only: a sequence may share only blocks that are full of prompt positions
-before its last prompt token, which nobody writes again. The block holding the last prompt
-token is never shared: each sample computes (recomputes, for all but the first) that partial
-block into its own block, so no copy-on-write, and no worker command, is needed.
+A block may be held by several sequences only through a prefix-cache hit, and hashed blocks
+are read-only: a hit covers whole blocks before the block of the sequence's last token, which
+nobody writes again. So no copy-on-write, and no worker command, is ever needed.
 
-Invariant (checked by ``check_invariant``): every block id in ``0 .. num_blocks-1`` is
-either in the free list or held, listed once in the ``block_table`` of each of its holders.
+Invariant (checked by ``check_invariant``): every block id in ``0 .. num_blocks-1`` is exactly
+one of free, evictable (hashed, held by nobody) or held (listed once in the ``block_table`` of
+each of its holders). Taking a block prefers the free list, then evicts the least recently
+freed cached block.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 
+from dormant.engine.prefix_cache import PrefixCache, PrefixCacheStats, extend_block_hashes
 from dormant.engine.sequence import Sequence
 from dormant.errors import EngineError
 
@@ -39,9 +42,10 @@ class BlockOwnershipError(BlockManagerError):
 
 
 class BlockManager:
-    """A free list of KV block ids and the bookkeeping of who holds which block."""
+    """A free list of KV block ids, the bookkeeping of who holds which block, and the prefix
+    cache (None when ``enable_prefix_caching`` is off: then no block is ever shared)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -50,96 +54,140 @@ class BlockManager:
         self.block_size = block_size
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._holders_by_block_id: dict[int, set[int]] = {}
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks a sequence can take now: free ones, and cached ones nobody holds."""
+        cache = self.prefix_cache
+        return len(self._free_block_ids) + (cache.num_evictable if cache is not None else 0)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """How many blocks hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def num_shareable_blocks(self, seq: Sequence) -> int:
-        """How many leading blocks ``seq`` may share with another sample of its prompt: the
-        full ones before the block of its last prompt token."""
-        return (seq.num_prompt_tokens - 1) // self.block_size
+    # ── prefix caching ────────────────────────────────────────────────────────────────────────
 
-    def can_allocate(self, seq: Sequence, num_shared_blocks: int = 0) -> bool:
-        """Whether ``allocate(seq, ..., num_shared_blocks)`` would succeed on block count."""
-        needed = self.num_blocks_for(seq.num_tokens) - num_shared_blocks
-        return needed <= len(self._free_block_ids)
+    def cached_blocks(self, seq: Sequence) -> list[int]:
+        """The leading blocks of ``seq`` found in the prefix cache: whole blocks before the one
+        of its last token. Empty without prefix caching, and for a first prefill that returns
+        prompt logprobs (they are computed at every prompt position). No state changes."""
+        cache = self.prefix_cache
+        if cache is None or (seq.params.prompt_logprobs is not None and not seq.output_token_ids):
+            return []
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        return cache.lookup(extend_block_hashes(seq, num_blocks, self.block_size)[:num_blocks])
+
+    def publish(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Offers the cache the full blocks of ``seq`` whose positions all have KV once
+        ``num_computed_tokens`` are computed (called when the step computing them is final).
+        A sequence given its blocks before the cache's latest reset publishes nothing."""
+        cache = self.prefix_cache
+        if cache is None or seq.cache_epoch != cache.epoch:
+            return
+        num_full = min(num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_published_blocks:
+            return
+        hashes = extend_block_hashes(seq, num_full, self.block_size)
+        for index in range(seq.num_published_blocks, num_full):
+            cache.publish(seq.block_table[index], hashes[index])
+        seq.num_published_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Drops every cached block (held ones stay held); running sequences publish nothing
+        more. A no-op without prefix caching."""
+        if self.prefix_cache is not None:
+            self._free_block_ids.extend(self.prefix_cache.reset())
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        cache = self.prefix_cache
+        return cache.stats() if cache is not None else PrefixCacheStats(is_enabled=False)
+
+    # ── allocation ────────────────────────────────────────────────────────────────────────────
+
+    def can_allocate(
+        self, seq: Sequence, num_tokens: int | None = None, cached: SequenceOf[int] = ()
+    ) -> bool:
+        """Whether ``allocate(seq, num_tokens, cached)`` would succeed on block count."""
+        cache = self.prefix_cache
+        num_revived = sum(1 for b in cached if cache is not None and cache.is_evictable(b))
+        needed = self.num_blocks_for(seq.num_tokens if num_tokens is None else num_tokens)
+        return needed - len(cached) <= self.num_free_blocks - num_revived
 
     def allocate(
-        self, seq: Sequence, share_from: Sequence | None = None, num_shared_blocks: int = 0
+        self, seq: Sequence, num_tokens: int | None = None, cached: SequenceOf[int] = ()
     ) -> None:
-        """Give ``seq`` blocks for all of its ``num_tokens`` tokens: the first
-        ``num_shared_blocks`` of ``share_from``'s table (one more holder each), then new ones.
+        """Give ``seq`` blocks for its first ``num_tokens`` positions (default: all of its
+        tokens): the ``cached`` blocks (``cached_blocks(seq)``; one more holder each), then new
+        ones. Records the lookup in the cache's statistics and, for a first prefill, the hits
+        in ``seq.num_cached_tokens``; the caller sets ``num_computed_tokens``.
 
-        Preconditions: ``seq.block_table`` is empty (else ``AlreadyAllocatedError``),
-        ``share_from`` holds that many blocks and ``num_shared_blocks`` is at most
-        ``num_shareable_blocks(seq)`` (else ``BlockOwnershipError``), and
-        ``can_allocate(seq, num_shared_blocks)`` (else ``OutOfBlocksError``). A failed call
-        changes nothing. Postcondition: ``len(seq.block_table) == num_blocks_for(seq.num_tokens)``.
+        Preconditions: ``seq.block_table`` is empty (else ``AlreadyAllocatedError``) and
+        ``can_allocate(seq, num_tokens, cached)`` (else ``OutOfBlocksError``). A failed call
+        changes nothing. Postcondition: the table covers ``num_tokens`` positions.
         """
         if seq.block_table:
             raise AlreadyAllocatedError(
                 f"{seq!r} already holds blocks {seq.block_table}; free it before allocating"
             )
-        shared: list[int] = []
-        if num_shared_blocks:
-            if share_from is None or len(share_from.block_table) < num_shared_blocks:
-                raise BlockOwnershipError(f"{share_from!r} has no {num_shared_blocks} blocks")
-            if num_shared_blocks > self.num_shareable_blocks(seq):
-                raise BlockOwnershipError(
-                    f"{seq!r} may share at most {self.num_shareable_blocks(seq)} blocks"
-                )
-            shared = share_from.block_table[:num_shared_blocks]
-        needed = self.num_blocks_for(seq.num_tokens) - len(shared)
-        if needed > len(self._free_block_ids):
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+        if not self.can_allocate(seq, num_tokens, cached):
             raise OutOfBlocksError(
-                f"{seq!r} needs {needed} more blocks but only "
-                f"{len(self._free_block_ids)} of {self.num_blocks} are free"
+                f"{seq!r} needs {self.num_blocks_for(num_tokens) - len(cached)} more blocks "
+                f"but only {self.num_free_blocks} of {self.num_blocks} are free"
             )
-        for block_id in shared:
+        cache = self.prefix_cache
+        for block_id in cached:
+            assert cache is not None, "cached blocks without a prefix cache"
+            if cache.is_evictable(block_id):
+                cache.take(block_id)
+                self._holders_by_block_id[block_id] = set()
             self._holders_by_block_id[block_id].add(seq.seq_id)
-        seq.block_table.extend(shared)
-        self._take_blocks(seq, needed)
+        seq.block_table.extend(cached)
+        seq.num_published_blocks = len(cached)
+        if cache is not None:
+            seq.cache_epoch = cache.epoch
+            cache.record_lookup(seq.num_tokens, len(cached) * self.block_size)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = len(cached) * self.block_size
+        self._take_blocks(seq, self.num_blocks_for(num_tokens) - len(cached))
 
-    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
-        """Whether the table of ``seq`` can grow to cover ``num_tokens + num_lookahead``
-        tokens.
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the table of ``seq`` can grow to cover ``num_tokens`` positions."""
+        return self._num_missing(seq, num_tokens) <= self.num_free_blocks
 
-        Called before a decode step, after the previous step appended one token whose KV
-        the step will write: a new block is needed only when the earlier tokens filled
-        the last block exactly. A multi-step decode writes ``num_lookahead`` more.
-        """
-        return self.num_missing_blocks(seq, num_lookahead) <= len(self._free_block_ids)
-
-    def append_block_if_needed(self, seq: Sequence, num_lookahead: int = 0) -> None:
-        """Grow the table of an allocated ``seq`` to cover ``num_tokens + num_lookahead``
-        tokens.
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow the table of an allocated ``seq`` to cover ``num_tokens`` positions.
 
         Preconditions: ``seq`` holds blocks (else ``BlockOwnershipError``) and
-        ``can_append(seq, num_lookahead)`` (else ``OutOfBlocksError``; nothing changes).
-        Postcondition: ``len(seq.block_table) >= num_blocks_for(seq.num_tokens +
-        num_lookahead)``.
+        ``can_grow(seq, num_tokens)`` (else ``OutOfBlocksError``; nothing changes).
         """
         if not seq.block_table:
             raise BlockOwnershipError(f"{seq!r} holds no blocks; allocate it first")
-        self._take_blocks(seq, self.num_missing_blocks(seq, num_lookahead))
+        self._take_blocks(seq, self._num_missing(seq, num_tokens))
+
+    def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
+        """Whether the table of ``seq`` can grow to cover ``num_tokens + num_lookahead``
+        tokens: before a decode step, whose token's KV goes at position ``num_tokens - 1``
+        (a multi-step decode writes ``num_lookahead`` more)."""
+        return self.can_grow(seq, seq.num_tokens + num_lookahead)
+
+    def append_block_if_needed(self, seq: Sequence, num_lookahead: int = 0) -> None:
+        """``grow(seq, seq.num_tokens + num_lookahead)``."""
+        self.grow(seq, seq.num_tokens + num_lookahead)
 
     def num_missing_blocks(self, seq: Sequence, num_lookahead: int = 0) -> int:
         """Blocks ``seq`` lacks to cover ``num_tokens + num_lookahead`` tokens."""
-        needed = self.num_blocks_for(seq.num_tokens + num_lookahead)
-        return max(0, needed - len(seq.block_table))
+        return self._num_missing(seq, seq.num_tokens + num_lookahead)
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of ``seq`` and clear its table; a block returns to the free
-        list when its last holder released it.
+        """Release every block of ``seq`` and clear its table. A block nobody holds any more
+        becomes evictable if it is cached (the sequence's last blocks the oldest, so a shared
+        prefix outlives its tails), else free.
 
         A sequence without blocks is left as is. Raises ``BlockOwnershipError`` (changing
         nothing) if the table names a block that is not held by ``seq``.
@@ -150,66 +198,49 @@ class BlockManager:
             raise BlockOwnershipError(
                 f"{seq!r} lists blocks {foreign} that this manager did not give it"
             )
-        for block_id in seq.block_table:
+        cache = self.prefix_cache
+        for block_id in reversed(seq.block_table):
             holders[block_id].discard(seq.seq_id)
             if not holders[block_id]:
                 del holders[block_id]
-                self._free_block_ids.append(block_id)
+                if cache is None or not cache.release(block_id):
+                    self._free_block_ids.append(block_id)
         seq.block_table.clear()
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """The flat KV-cache slot of token ``position`` of ``seq``.
-
-        Raises ``IndexError`` if the position is not covered by the sequence's table.
-        """
-        block_index, offset = divmod(position, self.block_size)
-        if position < 0 or block_index >= len(seq.block_table):
-            raise IndexError(
-                f"position {position} is outside the {len(seq.block_table)} blocks of {seq!r}"
-            )
-        return seq.block_table[block_index] * self.block_size + offset
-
-    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """The slots of positions ``start .. end-1`` of ``seq``, built block by block."""
-        if start < 0 or end > len(seq.block_table) * self.block_size:
-            raise IndexError(f"positions {start}..{end - 1} are outside the blocks of {seq!r}")
-        result: list[int] = []
-        position = start
-        while position < end:
-            block_index, offset = divmod(position, self.block_size)
-            num_in_block = min(self.block_size - offset, end - position)
-            first = seq.block_table[block_index] * self.block_size + offset
-            result.extend(range(first, first + num_in_block))
-            position += num_in_block
-        return result
+        seq.num_published_blocks = 0
 
     def num_holders(self, block_id: int) -> int:
-        """How many sequences hold ``block_id`` (0 when it is free)."""
+        """How many sequences hold ``block_id`` (0 when it is free or evictable)."""
         return len(self._holders_by_block_id.get(block_id, ()))
 
     def check_invariant(self, seqs: Iterable[Sequence]) -> None:
-        """Raise ``BlockManagerError`` unless every block is free or held, and each held block
-        is listed once in the table of each of its holders and of no other sequence.
-
-        ``seqs`` must be every sequence that may hold blocks (for tests and debugging).
-        """
+        """Raise ``BlockManagerError`` unless every block is exactly one of free, evictable or
+        held, and each held block is listed once in the table of each of its holders and of no
+        other sequence. ``seqs`` must be every sequence that may hold blocks."""
         free = set(self._free_block_ids)
         if len(free) != len(self._free_block_ids):
             raise BlockManagerError("the free list holds a block twice")
+        cache = self.prefix_cache
+        evictable = {
+            b for b in range(self.num_blocks) if cache is not None and cache.is_evictable(b)
+        }
+        if free & evictable:
+            raise BlockManagerError(f"blocks {sorted(free & evictable)} are free and evictable")
+        if cache is not None and any(not cache.is_hashed(b) for b in evictable):
+            raise BlockManagerError("an evictable block is not hashed")
         listed: dict[int, set[int]] = {}
         holders = self._holders_by_block_id
         for seq in seqs:
             if len(set(seq.block_table)) != len(seq.block_table):
                 raise BlockManagerError(f"{seq!r} lists a block twice: {seq.block_table}")
             for block_id in seq.block_table:
-                if block_id in free:
-                    raise BlockManagerError(f"block {block_id} is free and in {seq!r}")
+                if block_id in free or block_id in evictable:
+                    raise BlockManagerError(f"block {block_id} is not held but is in {seq!r}")
                 if seq.seq_id not in holders.get(block_id, ()):
                     raise BlockManagerError(
                         f"block {block_id} is in {seq!r} but not recorded as held by it"
                     )
                 listed.setdefault(block_id, set()).add(seq.seq_id)
-        missing = sorted(set(range(self.num_blocks)) - free - listed.keys())
+        missing = sorted(set(range(self.num_blocks)) - free - evictable - listed.keys())
         if missing:
             raise BlockManagerError(f"blocks {missing} are neither free nor in any given table")
         if listed != holders:
@@ -217,13 +248,22 @@ class BlockManager:
                 f"the tables list holders {listed} but the recorded ones are {holders}"
             )
 
+    def _num_missing(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, self.num_blocks_for(num_tokens) - len(seq.block_table))
+
     def _take_blocks(self, seq: Sequence, num_blocks: int) -> None:
-        if num_blocks > len(self._free_block_ids):
+        if num_blocks > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"{seq!r} needs {num_blocks} more blocks but only "
-                f"{len(self._free_block_ids)} of {self.num_blocks} are free"
+                f"{self.num_free_blocks} of {self.num_blocks} are free"
             )
         for _ in range(num_blocks):
-            block_id = self._free_block_ids.popleft()
+            if self._free_block_ids:
+                block_id = self._free_block_ids.popleft()
+            else:
+                assert self.prefix_cache is not None
+                evicted = self.prefix_cache.evict()
+                assert evicted is not None
+                block_id = evicted
             self._holders_by_block_id[block_id] = {seq.seq_id}
             seq.block_table.append(block_id)

@@ -19,9 +19,10 @@ import torch
 
 from dormant.core.config import EngineConfig
 from dormant.core.sampling_params import SamplingParams
+from dormant.engine.engine_status import EngineMemoryStatus
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
-from dormant.memory import AuditReport, MemoryStatus
+from dormant.memory import AuditReport
 from dormant.models import ModelConfig
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -85,9 +86,12 @@ class LLM:
         return getattr(tokenizer, "hf_tokenizer", tokenizer)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's call after a refit. dormant keeps no KV across requests (its samples share
-        blocks only within a request), so no cached KV can be stale: True, as vLLM's success."""
-        return True
+        """vLLM's: drops every cached KV block; returns True. Frameworks call it after every
+        refit and wake, but dormant never needs it: the engine itself drops cached KV whenever
+        a weight is written or KV memory is discarded (DESIGN §3 invariant 10). Blocks held by
+        running requests stay held (``reset_running_requests`` is accepted for vLLM's
+        callers) and are not cached again."""
+        return self.llm_engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1, mode: str = "abort", release_context: bool = False) -> None:
         """Frees memory: level 1 offloads the weights to host RAM and discards the KV cache;
@@ -193,9 +197,10 @@ class LLM:
         """The version the last successful refit was given (SGLang's; ``"default"`` before)."""
         return self.llm_engine.refits.weight_version
 
-    def memory_status(self) -> list[MemoryStatus]:
-        """Per rank: bytes and state per tag, the last sleep and wake timings, the residual."""
-        return self.llm_engine.collective_rpc("memory_status")
+    def memory_status(self) -> list[EngineMemoryStatus]:
+        """Per rank: bytes and state per tag, the last sleep and wake timings, the residual,
+        and the engine's prefix cache (``prefix_cache``: hit rate, cached blocks)."""
+        return self.llm_engine.memory_status()
 
     def audit(self) -> list[AuditReport]:
         return self.llm_engine.collective_rpc("audit")

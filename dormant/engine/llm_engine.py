@@ -5,6 +5,12 @@ written down as a table); the memory state per tag lives in each worker's Memory
 reaches the engine as each rank's ``RankSleepState``. In-flight requests at a sleep are handled
 by mode: ``abort`` finishes them, ``wait`` drains them first, ``keep`` pauses them and, where
 the KV cache is discarded, recomputes their KV after the wake.
+
+The prefix cache is never stale (DESIGN §3 invariant 10), and the engine alone keeps it so:
+every rank reports how often its weights were written and its KV discarded (``RankSleepState``,
+counted on the worker whatever path did it), and before each schedule the engine drops the
+cache if any count moved since the cache was last known good (``_invalidate_stale_prefix_cache``).
+``reset_prefix_cache()`` is for vLLM's callers; correctness never depends on it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dormant.core.errors import SleepModeDisabledError
 from dormant.core.sampling_params import SamplingParams
 from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
+from dormant.engine.engine_status import EngineMemoryStatus
 from dormant.engine.model_config_view import ModelConfigView
 from dormant.engine.output_processor import OutputProcessor
 from dormant.engine.outputs import RequestOutput
@@ -81,8 +88,11 @@ class LLMEngine:
             config.max_model_len,
             num_decode_steps=config.cuda_graph_multi_steps if max_multi_step_seqs else 1,
             max_multi_step_seqs=max(max_multi_step_seqs, 1),
+            enable_chunked_prefill=bool(config.enable_chunked_prefill),
         )
-        self.scheduler = Scheduler(limits, BlockManager(num_blocks, config.block_size), eos)
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(limits, blocks, eos)
+        self._kv_epoch = self.sleep_control.kv_epoch  # what the cached KV was computed under
         self._sequences = SequenceFactory(random.Random(config.seed))
         self.outputs = OutputProcessor(self.tokenizer, lambda: self.refits.weight_version)
         self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
@@ -101,15 +111,12 @@ class LLMEngine:
         return make_request_input(prompt, params, self.tokenizer, self._limits)
 
     def add_request_input(self, request: RequestInput) -> int:
-        """Queues a validated request: ``params.n`` sequences, the first of which computes the
-        prompt's KV and the others share its full blocks (see ``Scheduler``)."""
+        """Queues a validated request: ``params.n`` sequences, queued together, so that with
+        prefix caching the first computes the prompt's KV and the others hit its full blocks
+        (see ``Scheduler``)."""
         params, token_ids = request.params, request.prompt_token_ids
-        first = self._sequences.create(token_ids, params)
-        seqs = [first]
-        for index in range(1, params.n):
-            fork = self._sequences.create(token_ids, params, index)
-            fork.fork_source = first
-            seqs.append(fork)
+        seqs = [self._sequences.create(token_ids, params, index) for index in range(params.n)]
+        first = seqs[0]
         for seq in seqs:  # the first add raises (queuing nothing) if the prompt cannot fit
             self.scheduler.add(seq)
         self.outputs.add(first.seq_id, request.prompt, token_ids, params, seqs)
@@ -145,6 +152,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return []
         self.check_can_generate()
+        self._invalidate_stale_prefix_cache()
         batch = self.scheduler.schedule()
         assert batch is not None
         step = batch.step_input(self.runtime.eos_token_ids)
@@ -175,7 +183,10 @@ class LLMEngine:
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         """vLLM's ``LLMEngine.reset_prefix_cache`` (NeMo-RL calls it on ``llm.llm_engine``
-        before every sleep). No KV is kept across requests, so nothing can be stale: True."""
+        before every sleep): drops every cached block; blocks held by running requests stay
+        held and are not cached again. Never needed for correctness (the engine drops cached
+        KV itself, see the module docstring); always succeeds."""
+        self.scheduler.block_manager.reset_prefix_cache()
         return True
 
     def sleep(
@@ -276,11 +287,18 @@ class LLMEngine:
         (sleep, wake) or the names each rank wrote (refits). ``timeout`` is accepted for vLLM's
         callers; commands are bounded by the executor's own timeout."""
         kwargs = kwargs or {}
-        if callable(method):
-            return self.refits.run(Command.CALL_FUNCTION, _by_value(method), tuple(args), kwargs)
-        command = PUBLIC_RPC.get(method)
-        if command is None:  # the workers check it against their extension's methods
-            return self.refits.run(Command.CALL_EXTENSION, method, tuple(args), kwargs)
+        if callable(method) or method not in PUBLIC_RPC:
+            # Code of the caller's may write weights or KV memory by any means: cached KV is
+            # dropped whatever it did (and whether or not it failed).
+            try:
+                if callable(method):
+                    return self.refits.run(
+                        Command.CALL_FUNCTION, _by_value(method), tuple(args), kwargs
+                    )
+                return self.refits.run(Command.CALL_EXTENSION, method, tuple(args), kwargs)
+            finally:
+                self.reset_prefix_cache()
+        command = PUBLIC_RPC[method]
         if command is Command.SLEEP:
             self.sleep(*args, **kwargs)
             return list(self.sleep_control.ranks)
@@ -292,6 +310,17 @@ class LLMEngine:
         if command is Command.UPDATE_WEIGHTS:
             return self.update_weights(*args, **kwargs)
         return self.executor.run(command, *args, **kwargs)
+
+    # ── the prefix cache ──────────────────────────────────────────────────────────────────────
+
+    def memory_status(self) -> list[EngineMemoryStatus]:
+        """Per rank: its ``MemoryStatus``, with the engine's prefix-cache statistics."""
+        statuses = self.executor.run(Command.MEMORY_STATUS)
+        if isinstance(self.executor, UniprocExecutor):
+            self._refresh_sleep_state()
+        self._invalidate_stale_prefix_cache()
+        stats = self.scheduler.block_manager.prefix_cache_stats()
+        return [EngineMemoryStatus.of(status, stats) for status in statuses]
 
     @property
     def model_executor(self) -> Executor:
@@ -338,6 +367,19 @@ class LLMEngine:
 
     def _refresh_sleep_state(self) -> None:
         self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
+
+    def _invalidate_stale_prefix_cache(self) -> None:
+        """DESIGN §3 invariant 10, where it holds: cached KV was computed with the weights and
+        in the KV memory of ``_kv_epoch``; once any rank reports another epoch (a weight
+        written by any path, or KV backing memory discarded, since), every cached block is
+        dropped before anything can hit it. Runs before every schedule, the only place that
+        looks blocks up. Every path that writes weights or discards KV on a rank is seen: in
+        this process the ranks are asked afresh before each step (``check_can_generate``), and
+        commands to other processes report the ranks' state after they ran."""
+        epoch = self.sleep_control.kv_epoch
+        if epoch != self._kv_epoch:
+            self.scheduler.block_manager.reset_prefix_cache()
+            self._kv_epoch = epoch
 
 
 def _by_value(function: Callable[..., Any]) -> bytes:

@@ -239,6 +239,9 @@ class OutputProcessor:
             prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
             outputs=completions,
             finished=state.is_finished,
+            # The prompt tokens a sample's first prefill found in the prefix cache (the most of
+            # any sample: the first sample of n computes what the others hit).
+            num_cached_tokens=max(seq.num_cached_tokens or 0 for seq in state.seqs),
             weight_version=None if self._weight_version is None else self._weight_version(),
         )
 

@@ -1,28 +1,41 @@
-"""Continuous batching: each step is either a prefill of waiting sequences or a decode.
+"""Continuous batching, with chunked prefill mixed into decode steps (vLLM V1's scheduling) or,
+with ``enable_chunked_prefill`` off, steps that are either a prefill or a decode.
 
-Sequences move between three queues:
+Sequences move between two queues:
 
-| queue     | status  | holds blocks | KV computed               |
-|-----------|---------|--------------|---------------------------|
-| `pending` | WAITING | no           | none: a fork waiting for its source's first prefill |
-| `waiting` | WAITING | no           | none (num_computed = 0)   |
-| `running` | RUNNING | yes          | all but the newest token  |
+| queue     | status  | holds blocks | KV computed                                            |
+|-----------|---------|--------------|--------------------------------------------------------|
+| `waiting` | WAITING | no           | none (num_computed = 0)                                |
+| `running` | RUNNING | yes          | positions ``0 .. num_computed_tokens-1``: all but the   |
+|           |         |              | newest token (decoding), or a prompt's first chunks     |
 
-The ``n`` samples of a request are one source sequence and ``n - 1`` forks of it. A fork stays
-`pending` until its source's prefill step was postprocessed, then goes to the front of
-`waiting`; when it is prefilled it shares its source's full prompt blocks (see
-``BlockManager``) and computes only the rest of its prompt. Were the source no longer running
-by then, the fork computes its whole prompt itself.
+A step with chunked prefill, under ``max_num_batched_tokens``:
+    1. every running sequence, in order: a decode computes its newest token; one still
+       prefilling computes its next chunk, as long as the budget leaves one token for each
+       decode after it (so a long prompt never stalls a decode). When blocks run out, the tail
+       of `running` (the newest) is preempted, until the sequence fits or is itself the tail.
+    2. then, unless step 1 preempted, waiting sequences in order while the budget and
+       ``max_num_seqs`` allow: each starts after its prefix-cache hits with a chunk of what is
+       left of the budget (a first prefill with prompt logprobs only as a whole).
+Without chunked prefill a step prefills whole waiting sequences if any fits, else decodes.
+
+A row whose chunk ends before the sequence's last token samples nothing. A step of decodes
+alone, with nothing waiting, may run several greedy steps at once (``_num_decode_steps``).
+Every row's full blocks are published to the prefix cache once the row is final in the step
+(``BlockManager.publish``), so a later row of the same step, such as another sample of the same
+prompt, hits them.
 
 Invariants between calls:
     - every unfinished sequence added is in exactly one queue; finished ones in none;
     - ``len(running) <= config.max_num_seqs``;
     - only running sequences hold blocks (see ``BlockManager``);
-    - at most one batch is in flight: ``schedule`` hands it out, ``postprocess`` takes it
-      back, and ``preempt_all`` discards it.
+    - at most one batch is in flight: ``schedule`` hands it out, ``postprocess_steps`` takes it
+      back, and ``preempt_all`` discards it (and resets the prefix cache: the blocks that batch
+      published were never computed).
 
-Preemption is by recompute: the sequence's blocks are freed, it goes back to the front of
-`waiting` with its output kept, and its next prefill recomputes the KV of all its tokens.
+Preemption is by recompute: the sequence's blocks are freed (its cached blocks stay findable),
+it goes back to the front of `waiting` with its output kept, and its next prefill recomputes
+the KV of the tokens the prefix cache does not give back.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from dormant.engine import stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -52,6 +66,7 @@ class DuplicateSequenceError(SchedulerError, ValueError):
 # whether the token itself stops the sequence) -> the stop string the text now ends with, or
 # None. The engine's output processor detokenizes there.
 TokenHook = Callable[[Sequence, int, bool], str | None]
+Row = tuple[Sequence, int]  # a sequence and how many positions it computes in the step
 
 
 class Scheduler:
@@ -68,7 +83,6 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._waiting: deque[Sequence] = deque()
         self._running: deque[Sequence] = deque()
-        self._pending_forks: dict[int, list[Sequence]] = {}  # by source seq_id, in order
         self._unfinished_by_id: dict[int, Sequence] = {}
         self._batch_in_flight: ScheduledBatch | None = None
 
@@ -89,50 +103,55 @@ class Scheduler:
         return self._unfinished_by_id.get(seq_id)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new WAITING sequence at the back of `waiting`, or, for a fork whose source
-        has not been prefilled yet, in `pending`.
+        """Queue a new WAITING sequence at the back of `waiting`.
 
-        Raises ``RequestTooLongError`` if its prompt exceeds ``max_model_len`` or it could not
-        run to completion even with the whole cache, and ``DuplicateSequenceError`` if its id
-        is in use. Neither changes any state.
+        Raises ``RequestTooLongError`` if its prompt exceeds ``max_model_len``, it could not
+        run to completion even with the whole cache, or it asks for prompt logprobs (which are
+        computed in one step) of a prompt longer than ``max_num_batched_tokens``; and
+        ``DuplicateSequenceError`` if its id is in use. None of them changes any state.
         """
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise SchedulerError(f"only new WAITING sequences without blocks can be added: {seq!r}")
         if seq.seq_id in self._unfinished_by_id:
             raise DuplicateSequenceError(f"sequence id {seq.seq_id} is already scheduled")
-        max_model_len = self.config.max_model_len
-        if seq.num_tokens > max_model_len:
+        config = self.config
+        if seq.num_tokens > config.max_model_len:
             raise RequestTooLongError(
                 f"sequence {seq.seq_id} has {seq.num_tokens} prompt tokens, more than "
-                f"max_model_len={max_model_len}; shorten the prompt"
+                f"max_model_len={config.max_model_len}; shorten the prompt"
             )
-        num_blocks = self.block_manager.num_blocks_for(self._max_num_kv_tokens(seq))
+        num_blocks = self.block_manager.num_blocks_for(
+            stopping.max_num_kv_tokens(seq, config.max_model_len)
+        )
         if num_blocks > self.block_manager.num_blocks:
             raise RequestTooLongError(
                 f"sequence {seq.seq_id} may need {num_blocks} KV blocks (prompt "
                 f"{seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens}, capped by "
-                f"max_model_len={max_model_len}) but the cache has only "
+                f"max_model_len={config.max_model_len}) but the cache has only "
                 f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache"
             )
-        source = seq.fork_source
-        if source is not None and source.seq_id not in self._unfinished_by_id:
-            raise SchedulerError(f"the fork source of {seq!r} is not scheduled: add it first")
-        if source is not None and source.num_output_tokens == 0:
-            self._pending_forks.setdefault(source.seq_id, []).append(seq)
-        else:
-            self._waiting.append(seq)
+        if not self._may_chunk(seq) and seq.num_tokens > config.max_num_batched_tokens:
+            raise RequestTooLongError(
+                f"sequence {seq.seq_id} asks for prompt logprobs, which are computed in one "
+                f"step, but its {seq.num_tokens} prompt tokens exceed max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}; raise it or shorten the prompt"
+            )
+        self._waiting.append(seq)
         self._unfinished_by_id[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step: a prefill if any waiting sequence fits, else a decode.
+        """Pick the next step (see the module docstring).
 
         Returns ``None`` exactly when there is no unfinished sequence. Postcondition: every
-        returned sequence is RUNNING and its block table covers all of its tokens.
+        returned sequence is RUNNING and its block table covers the positions it computes.
         Precondition: the previous batch was postprocessed (else ``SchedulerError``).
         """
         if self._batch_in_flight is not None:
             raise SchedulerError("the previous batch is still in flight; postprocess it first")
-        batch = self._schedule_prefill() or self._schedule_decode()
+        if self.config.enable_chunked_prefill:
+            batch = self._schedule_mixed()
+        else:
+            batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None and self._unfinished_by_id:
             raise SchedulerError(
                 f"no sequence can be scheduled: {self.num_waiting} waiting, "
@@ -148,15 +167,15 @@ class Scheduler:
         on_token: TokenHook | None = None,
     ) -> list[Sequence]:
         """Record the batch's KV and append ``token_ids[i]`` (``num_steps`` tokens, in order)
-        to ``batch.seqs[i]``, up to the token that finishes it; the rest are dropped.
+        to ``batch.seqs[i]``, up to the token that finishes it; the rest are dropped. A row
+        whose chunk ended before the sequence's last token appends nothing.
 
         Sequences finished since ``schedule`` (aborted) are skipped. As in vLLM, a sequence
         finishes at ``max_tokens`` outputs or ``max_model_len`` tokens ("length"), else, once
         it has ``min_tokens`` outputs, on an EOS token (unless ``ignore_eos``) or one of its
         ``stop_token_ids`` ("stop", with the id as ``stop_reason``), or when ``on_token``
         reports a stop string ("stop", with the string). Its blocks are freed. Returns the
-        newly finished sequences, in batch order; the forks of the batch's prefilled sources
-        become schedulable.
+        newly finished sequences, in batch order.
         Precondition: ``batch`` is the batch in flight (else ``SchedulerError``).
         """
         if batch is not self._batch_in_flight:
@@ -172,25 +191,22 @@ class Scheduler:
             )
         self._batch_in_flight = None
         finished: list[Sequence] = []
-        for seq, tokens in zip(batch.seqs, token_ids, strict=True):
+        rows = zip(batch.seqs, batch.num_new_tokens, token_ids, strict=True)
+        for seq, num_new, tokens in rows:
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk of its prompt: what it sampled is not a token of it
             for token_id in tokens:
                 if seq.is_finished:
                     break
                 seq.num_computed_tokens = seq.num_tokens
                 seq.append_token(token_id)
-                reason, stop_token_id = self._finish_reason(seq, token_id)
-                stop_reason: int | str | None = stop_token_id
-                if on_token is not None:
-                    stop_string = on_token(seq, token_id, reason is FinishReason.STOP)
-                    if stop_string is not None:
-                        reason, stop_reason = FinishReason.STOP, stop_string
-                if reason is not None:
-                    self._finish(seq, reason, stop_reason)
+                if self._apply_stops(seq, token_id, on_token):
                     finished.append(seq)
         if finished:
             self._running = deque(seq for seq in self._running if not seq.is_finished)
-        if batch.is_prefill:
-            self._release_forks(batch.seqs)
         return finished
 
     def abort(self, seq_ids: Iterable[int] | None = None) -> list[Sequence]:
@@ -208,11 +224,6 @@ class Scheduler:
         if targets:
             self._waiting = deque(seq for seq in self._waiting if not seq.is_finished)
             self._running = deque(seq for seq in self._running if not seq.is_finished)
-            for source_id, forks in list(self._pending_forks.items()):
-                forks[:] = [seq for seq in forks if not seq.is_finished]
-                if not forks:
-                    del self._pending_forks[source_id]
-            self._release_forks(targets)  # forks of an aborted source compute their own KV
         return targets
 
     def preempt_all(self) -> None:
@@ -220,49 +231,96 @@ class Scheduler:
 
         Used before the KV cache is discarded (sleep in "keep" mode), or to recover from a
         failed step: the sequences keep their outputs and recompute their KV when scheduled
-        again. A batch in flight is discarded. Postcondition: no block is held.
+        again. A batch in flight is discarded, and with it the prefix cache (the blocks it
+        published may never have been computed). Postcondition: no block is held.
         """
+        if self._batch_in_flight is not None:
+            self.block_manager.reset_prefix_cache()
         self._batch_in_flight = None
         while self._running:
             self._preempt(self._running.pop())
 
-    def _release_forks(self, sources: Iterable[Sequence]) -> None:
-        """Moves the pending forks of ``sources`` to the front of `waiting`, in order."""
-        released = [f for s in sources for f in self._pending_forks.pop(s.seq_id, ())]
-        self._waiting.extendleft(reversed(released))
+    # ── chunked prefill mixed with decodes ─────────────────────────────────────────────────────
 
-    def _shared_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """The source and number of blocks ``seq`` shares when prefilled now: its fork
-        source's full prompt blocks, if the source is running with its prompt computed (so not
-        in the batch being built), and this is ``seq``'s first prefill."""
-        source = seq.fork_source
-        if source is None or source.status is not SequenceStatus.RUNNING or seq.num_output_tokens:
-            return None, 0
-        if source.num_computed_tokens < source.num_prompt_tokens:
-            return None, 0
-        num_blocks = min(self.block_manager.num_shareable_blocks(seq), len(source.block_table))
-        return (source, num_blocks) if num_blocks else (None, 0)
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        rows, num_preempted = self._schedule_running(budget)
+        budget -= sum(num_new for _, num_new in rows)
+        if not num_preempted:
+            rows += self._schedule_waiting(budget, may_chunk=True)
+        if not rows:
+            return None
+        if all(_is_decode(seq, num_new) for seq, num_new in rows):
+            return self._decode_batch([seq for seq, _ in rows])
+        return ScheduledBatch.of(rows)
+
+    def _schedule_running(self, budget: int) -> tuple[list[Row], int]:
+        """Step 1 of a mixed step: the running sequences' rows, and how many were preempted."""
+        manager, running = self.block_manager, self._running
+        rows: list[Row] = []
+        num_decodes_left = sum(
+            1 for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
+        )
+        num_preempted, index = 0, 0
+        while index < len(running):
+            seq = running[index]
+            num_left = seq.num_tokens - seq.num_computed_tokens
+            if num_left == 1:
+                num_decodes_left -= 1
+            num_new = min(num_left, budget - num_decodes_left)
+            if num_new < 1:
+                index += 1
+                continue
+            while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
+                victim = running.pop()  # the newest; never one scheduled already
+                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
+                    num_decodes_left -= 1
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                manager.grow(seq, seq.num_computed_tokens + num_new)
+                rows.append((seq, num_new))
+                budget -= num_new
+                index += 1
+        for seq, num_new in rows:  # final now: no later preemption can take them back
+            manager.publish(seq, seq.num_computed_tokens + num_new)
+        return rows, num_preempted
+
+    def _schedule_waiting(self, budget: int, *, may_chunk: bool) -> list[Row]:
+        """Waiting sequences, in order, while ``budget`` tokens, blocks and ``max_num_seqs``
+        allow; each computes from its prefix-cache hits on, whole or (``may_chunk``) a chunk."""
+        manager, rows = self.block_manager, []
+        while self._waiting and len(self._running) < self.config.max_num_seqs and budget > 0:
+            seq = self._waiting[0]
+            cached = manager.cached_blocks(seq)
+            num_computed = len(cached) * manager.block_size
+            num_left = seq.num_tokens - num_computed
+            num_new = min(num_left, budget)
+            if num_new < num_left and not (may_chunk and self._may_chunk(seq)):
+                break
+            if not manager.can_allocate(seq, num_computed + num_new, cached):
+                break
+            manager.allocate(seq, num_computed + num_new, cached)
+            manager.publish(seq, num_computed + num_new)
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(self._waiting.popleft())
+            rows.append((seq, num_new))
+            budget -= num_new
+        return rows
+
+    def _may_chunk(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next prefill may be split: not a first prefill that returns
+        prompt logprobs (they are computed, and recorded, in one step)."""
+        return seq.params.prompt_logprobs is None or seq.num_output_tokens > 0
+
+    # ── whole prefills, or decodes ─────────────────────────────────────────────────────────────
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        scheduled: list[Sequence] = []
-        num_batched_tokens = 0
-        config, block_size = self.config, self.block_manager.block_size
-        while self._waiting and len(self._running) < config.max_num_seqs:
-            seq = self._waiting[0]
-            source, num_shared = self._shared_prefix(seq)
-            num_new_tokens = seq.num_tokens - num_shared * block_size
-            is_over_budget = num_batched_tokens + num_new_tokens > config.max_num_batched_tokens
-            if is_over_budget or not self.block_manager.can_allocate(seq, num_shared):
-                break
-            self.block_manager.allocate(seq, source, num_shared)
-            seq.num_computed_tokens = num_shared * block_size
-            seq.fork_source = None  # used: a later recompute (preemption) computes everything
-            num_batched_tokens += num_new_tokens
-            seq.status = SequenceStatus.RUNNING
-            self._waiting.popleft()
-            self._running.append(seq)
-            scheduled.append(seq)
-        return ScheduledBatch(tuple(scheduled), True, num_batched_tokens) if scheduled else None
+        rows = self._schedule_waiting(self.config.max_num_batched_tokens, may_chunk=False)
+        return ScheduledBatch.of(rows) if rows else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         scheduled: list[Sequence] = []
@@ -278,10 +336,12 @@ class Scheduler:
                 self.block_manager.append_block_if_needed(seq)
                 scheduled.append(seq)
         self._running.extend(scheduled)
-        if not scheduled:
-            return None
-        num_steps = self._num_decode_steps(scheduled)
-        return ScheduledBatch(tuple(scheduled), False, len(scheduled) * num_steps, num_steps)
+        for seq in scheduled:
+            self.block_manager.publish(seq, seq.num_tokens)
+        return self._decode_batch(scheduled) if scheduled else None
+
+    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
+        return ScheduledBatch.of([(seq, 1) for seq in seqs], self._num_decode_steps(seqs))
 
     def _num_decode_steps(self, seqs: list[Sequence]) -> int:
         """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every
@@ -294,7 +354,7 @@ class Scheduler:
         for seq in seqs:
             if not seq.params.is_greedy or seq.num_tokens + num_steps - 1 > config.max_model_len:
                 return 1
-            if self._max_tokens(seq) - seq.num_output_tokens < num_steps:
+            if stopping.max_tokens(seq, config.max_model_len) - seq.num_output_tokens < num_steps:
                 return 1
         lookahead = num_steps - 1
         missing = sum(self.block_manager.num_missing_blocks(seq, lookahead) for seq in seqs)
@@ -303,6 +363,23 @@ class Scheduler:
         for seq in seqs:
             self.block_manager.append_block_if_needed(seq, lookahead)
         return num_steps
+
+    # ── sequence transitions ───────────────────────────────────────────────────────────────────
+
+    def _apply_stops(self, seq: Sequence, token_id: int, on_token: TokenHook | None) -> bool:
+        """Finishes ``seq`` if its newest token ``token_id`` stops it; returns whether it did."""
+        reason, stop_token_id = stopping.finish_reason(
+            seq, token_id, self.eos_token_ids, self.config.max_model_len
+        )
+        stop_reason: int | str | None = stop_token_id
+        if on_token is not None:
+            stop_string = on_token(seq, token_id, reason is FinishReason.STOP)
+            if stop_string is not None:
+                reason, stop_reason = FinishReason.STOP, stop_string
+        if reason is None:
+            return False
+        self._finish(seq, reason, stop_reason)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -317,35 +394,7 @@ class Scheduler:
         self.block_manager.free(seq)
         del self._unfinished_by_id[seq.seq_id]
 
-    def _max_tokens(self, seq: Sequence) -> int:
-        """``max_tokens``, where None (vLLM's "up to max_model_len") is what fits."""
-        max_tokens = seq.params.max_tokens
-        return self.config.max_model_len if max_tokens is None else max_tokens
 
-    def _finish_reason(
-        self, seq: Sequence, token_id: int
-    ) -> tuple[FinishReason | None, int | None]:
-        """Why ``seq`` finishes on its newest token ``token_id``, with vLLM's precedence:
-        length first, then (past ``min_tokens``) EOS, then a stop token (its ``stop_reason``)."""
-        params = seq.params
-        if seq.num_output_tokens >= self._max_tokens(seq):
-            return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH, None
-        if seq.num_output_tokens < params.min_tokens:
-            return None, None
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP, None
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            return FinishReason.STOP, token_id
-        return None, None
-
-    def _max_num_kv_tokens(self, seq: Sequence) -> int:
-        """The most tokens whose KV ``seq`` may ever need at once.
-
-        The last token a sequence gets is sampled but never computed, so it needs KV for
-        at most ``max_total - 1`` tokens, and at least its prompt.
-        """
-        max_model_len = self.config.max_model_len
-        max_total = min(seq.num_prompt_tokens + self._max_tokens(seq), max_model_len)
-        return max(seq.num_prompt_tokens, max_total - 1)
+def _is_decode(seq: Sequence, num_new: int) -> bool:
+    """A row computing only the sequence's newest token (its KV before it is all there)."""
+    return num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1

@@ -39,10 +39,13 @@ class Sequence:
     """One completion of a request: its prompt, the tokens generated so far, and where its KV
     lives.
 
-    ``fork_source``, when set, is the sequence whose prompt KV this one may share instead of
-    computing it (the first sample of the same request); the scheduler decides whether it still
-    can when it prefills this one. ``stop_reason`` is the stop token id or stop string that
-    finished it (vLLM's), else None.
+    ``stop_reason`` is the stop token id or stop string that finished it (vLLM's), else None.
+
+    Prefix-cache bookkeeping (``engine/prefix_cache.py``): ``block_hashes`` are the hashes of
+    its first full blocks, computed once each as it grows; ``num_published_blocks`` how many
+    leading blocks of its table were offered to the cache, in ``cache_epoch`` (the cache's
+    epoch when it was given blocks; after a reset it publishes nothing more). And
+    ``num_cached_tokens``: the tokens its first prefill found cached (None before it).
 
     Invariants:
         - ``prompt_token_ids`` is non-empty and never changes.
@@ -80,7 +83,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.stop_reason: int | str | None = None
-        self.fork_source: Sequence | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_published_blocks = 0
+        self.cache_epoch = 0
+        self.num_cached_tokens: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -116,6 +122,16 @@ class Sequence:
         """A new list of the prompt followed by the output (O(num_tokens): not for per-step use)."""
         return [*self.prompt_token_ids, *self.output_token_ids]
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """The tokens at positions ``start .. end-1`` (prompt, then output), without copying
+        the rest."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return list(self.prompt_token_ids[start:end])
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - num_prompt]]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
@@ -134,7 +150,6 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        self.fork_source = None  # never keep a finished source alive through its forks
 
 
 class SequenceFinishedError(EngineError):

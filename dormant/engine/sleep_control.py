@@ -100,6 +100,12 @@ class SleepControl:
         return frozenset().union(*(state.stale_weights for state in self.ranks))
 
     @property
+    def kv_epoch(self) -> tuple[tuple[int, int], ...]:
+        """Per rank, its weight writes and KV discards so far: KV computed under one epoch is
+        stale under any other (DESIGN §3 invariant 10)."""
+        return tuple((state.num_weight_writes, state.num_kv_discards) for state in self.ranks)
+
+    @property
     def is_fully_awake(self) -> bool:
         return not self.asleep_tags
 

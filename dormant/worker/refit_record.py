@@ -29,17 +29,24 @@ class RefitRecord:
     ) -> None:
         self.names = frozenset(names)
         self.stale: set[str] = set()
+        self.num_writes = 0
         self._check_writable = check_writable
 
     def before_write(self) -> None:
         if self._check_writable is not None:
             self._check_writable()
 
+    # ``num_writes`` counts every event below: KV computed before one is stale (the prefix
+    # cache's invariant, DESIGN §3 invariant 10), even where no weight is left stale.
+
     def discarded(self) -> None:
         self.stale = set(self.names)
+        self.num_writes += 1
 
     def written(self, names: Iterable[str]) -> None:
         self.stale.difference_update(names)
+        self.num_writes += 1
 
     def failed(self) -> None:
         self.stale = set(self.names)
+        self.num_writes += 1

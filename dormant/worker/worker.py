@@ -24,6 +24,7 @@ from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
 from dormant.distributed.parallel_state import all_reduce_min
 from dormant.memory import (
+    KV_CACHE,
     LEVELS,
     RUNTIME,
     WEIGHTS,
@@ -69,6 +70,7 @@ class Worker:
         self._model: CausalLM | None = None
         self._runner: ModelRunner | None = None
         self.refits = RefitRecord(())  # replaced once the model is built
+        self.num_kv_discards = 0  # sleeps of the KV cache: its contents are gone after each
         self.refitter = Refitter(config, self.mm, lambda: self.model, rank)
         self._handlers: dict[Command, Callable[..., Any]] = {
             Command.LOAD_MODEL: self.load_model,
@@ -214,6 +216,8 @@ class Worker:
         if release_context:
             self.check_release_context()
         was_awake = self.mm.tag_states()[WEIGHTS] is TagState.AWAKE
+        if KV_CACHE in policies:  # counted first: a sleep that fails may have discarded some
+            self.num_kv_discards += 1
         try:
             self.mm.sleep(tags=policies)
         finally:
@@ -257,6 +261,8 @@ class Worker:
             tags=tuple(self.mm.tag_states().items()),
             stale_weights=frozenset(self.refits.stale),
             num_weights=len(self.refits.names),
+            num_weight_writes=self.refits.num_writes,
+            num_kv_discards=self.num_kv_discards,
         )
 
     def kv_cache_scales(self) -> list[tuple[float, float]]:

@@ -109,24 +109,6 @@ def test_free_rejects_foreign_blocks() -> None:
     assert manager.num_free_blocks == 3
 
 
-def test_slot_maps_position_through_block_table() -> None:
-    manager = BlockManager(num_blocks=4, block_size=4)
-    seq = make_seq(0, 6)
-    seq.block_table.extend([3, 1])  # bypassing allocate to pin the table
-    assert manager.slot(seq, 0) == 12
-    assert manager.slot(seq, 3) == 15
-    assert manager.slot(seq, 4) == 4
-    assert manager.slot(seq, 7) == 7
-    assert manager.slots(seq, 2, 7) == [14, 15, 4, 5, 6]
-    assert manager.slots(seq, 2, 2) == []
-    with pytest.raises(IndexError):
-        manager.slot(seq, 8)
-    with pytest.raises(IndexError):
-        manager.slot(seq, -1)
-    with pytest.raises(IndexError):
-        manager.slots(seq, 0, 9)
-
-
 def test_check_invariant_detects_a_shared_block() -> None:
     manager = BlockManager(num_blocks=4, block_size=2)
     a, b = make_seq(0, 2), make_seq(1, 2)

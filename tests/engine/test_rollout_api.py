@@ -22,7 +22,7 @@ GREEDY = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 def queued(llm: LLM) -> int:
     scheduler = llm.llm_engine.scheduler
-    return scheduler.num_waiting + scheduler.num_running + len(scheduler._pending_forks)
+    return scheduler.num_waiting + scheduler.num_running
 
 
 def bad(**changes: object) -> SamplingParams:

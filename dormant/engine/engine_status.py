@@ -1,0 +1,36 @@
+"""What ``LLM.memory_status()`` returns for one rank: the rank's ``MemoryStatus`` (the memory
+layer's report, every field and method of it) and the engine's prefix-cache statistics, which
+only the driver knows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from dormant.engine.prefix_cache import PrefixCacheStats
+from dormant.memory import MemoryStatus
+
+
+@dataclass(frozen=True)
+class EngineMemoryStatus(MemoryStatus):
+    prefix_cache: PrefixCacheStats = field(
+        default_factory=lambda: PrefixCacheStats(is_enabled=False)
+    )
+
+    @classmethod
+    def of(cls, status: MemoryStatus, prefix_cache: PrefixCacheStats) -> EngineMemoryStatus:
+        values = {f.name: getattr(status, f.name) for f in fields(MemoryStatus)}
+        return cls(**values, prefix_cache=prefix_cache)
+
+    def table(self) -> str:
+        """The memory layer's report, then a line on the prefix cache."""
+        cache = self.prefix_cache
+        if not cache.is_enabled:
+            line = "  prefix cache: off"
+        else:
+            line = (
+                f"  prefix cache: {cache.num_cached_blocks} blocks cached "
+                f"({cache.num_evictable_blocks} evictable), hit rate {cache.hit_rate:.1%} "
+                f"({cache.num_hit_tokens:,} of {cache.num_query_tokens:,} tokens), "
+                f"{cache.num_evictions:,} evictions, {cache.num_resets} resets"
+            )
+        return f"{super().table()}\n{line}"

@@ -1,0 +1,41 @@
+"""When a sequence stops, and how much KV it may ever need: vLLM's rules, as plain functions of
+the sequence and the engine's limits (the scheduler applies them)."""
+
+from __future__ import annotations
+
+from dormant.engine.sequence import FinishReason, Sequence
+
+
+def max_tokens(seq: Sequence, max_model_len: int) -> int:
+    """``max_tokens``, where None (vLLM's "up to max_model_len") is what fits."""
+    limit = seq.params.max_tokens
+    return max_model_len if limit is None else limit
+
+
+def finish_reason(
+    seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
+) -> tuple[FinishReason | None, int | None]:
+    """Why ``seq`` finishes on its newest token ``token_id``, with vLLM's precedence: length
+    first, then (past ``min_tokens``) EOS, then a stop token (its ``stop_reason``)."""
+    params = seq.params
+    if seq.num_output_tokens >= max_tokens(seq, max_model_len):
+        return FinishReason.LENGTH, None
+    if seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH, None
+    if seq.num_output_tokens < params.min_tokens:
+        return None, None
+    if token_id in eos_token_ids and not params.ignore_eos:
+        return FinishReason.STOP, None
+    if params.stop_token_ids and token_id in params.stop_token_ids:
+        return FinishReason.STOP, token_id
+    return None, None
+
+
+def max_num_kv_tokens(seq: Sequence, max_model_len: int) -> int:
+    """The most tokens whose KV ``seq`` may ever need at once.
+
+    The last token a sequence gets is sampled but never computed, so it needs KV for at most
+    ``max_total - 1`` tokens, and at least its prompt.
+    """
+    max_total = min(seq.num_prompt_tokens + max_tokens(seq, max_model_len), max_model_len)
+    return max(seq.num_prompt_tokens, max_total - 1)
