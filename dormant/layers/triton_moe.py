@@ -143,10 +143,12 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    configs: tuple[BlockConfig, BlockConfig] | None = None,
 ) -> torch.Tensor:
     """``fused_experts_reference``'s contract: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``
     (the last dimension of each contiguous), float32 ``topk_weights`` and int32 ``topk_ids``
-    ``[T, k]`` → ``[T, H]`` in ``x``'s dtype."""
+    ``[T, k]`` → ``[T, H]`` in ``x``'s dtype. ``configs`` (gate/up, down; one ``block_m``)
+    overrides ``block_config``'s tiles, for tuning."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -158,8 +160,13 @@ def fused_experts(
         raise ValueError("fused_experts needs unit stride in the last dimension of x, w13, w2")
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    up = block_config(num_tokens, top_k, num_experts, inter, hidden, x.dtype)
-    down = block_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype)
+    up, down = configs or (
+        block_config(num_tokens, top_k, num_experts, inter, hidden, x.dtype),
+        block_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype),
+    )
+    if up.block_m != down.block_m:
+        raise ValueError(f"one block_m for both GEMMs, got {up.block_m} and {down.block_m}")
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     sorted_pairs, block_experts, num_padded = align_by_expert(topk_ids, num_experts, up.block_m)
     num_blocks = block_experts.shape[0]
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
@@ -173,7 +180,7 @@ def fused_experts(
     _down_kernel[(num_blocks, triton.cdiv(hidden, down.block_n))](
         h, w2, y, topk_weights, sorted_pairs, block_experts, num_padded,
         num_pairs, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=up.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         DOT_PRECISION=precision, num_warps=down.num_warps, num_stages=down.num_stages,
     )  # fmt: skip
     block = min(1024, triton.next_power_of_2(hidden))
