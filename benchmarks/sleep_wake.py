@@ -1,16 +1,20 @@
 """Sleep/wake benchmark: dormant against the pinned-copy limit and torch_memory_saver, one run.
 
-Cases (BENCHMARKS.md, issue "Foundation"):
+Cases (BENCHMARKS.md, issue 17):
   - an 8B-like weight set (2 x 1 GiB + 128 matrices of 40/56 MiB + small norms, ~8 GiB, HOST)
     plus 32 GiB of KV cache (DISCARD), cycled with the weights changed before every sleep;
-  - the same with the weights unchanged since the last offload;
+  - the same with the weights unchanged since the last offload; the weights alone, unchanged;
   - the KV cache alone (discard and restore);
-  - 4096 x 2 MiB segments (8 GiB), the shape graph pools and caching allocators produce;
-  - the first-ever sleep, host arena setup included.
+  - the first-ever sleep: dormant with its arena prepared in the background at "start-up"
+    (``prepare_arena``, as the engine does once its graphs are captured), against the steady state;
+  - 8 GiB in one allocation, and the same bytes as 4096 x 2 MiB segments: 8192 torch tensors of
+    1 MiB allocated inside ``mm.capture`` (torch's caching allocator serves them from 2 MiB
+    segments, two each: the shape CUDA-graph pools and capture scopes produce), and inside a
+    torch_memory_saver region for TMS (the same 4096 segments, one VMM handle each there).
 torch_memory_saver 0.0.10 runs the same sizes in hook_mode="torch", with its default pinned backup
 (allocated at every pause) and with retain_cpu_backup=True (kept across cycles).
 
-Usage: python benchmarks/sleep_wake.py [--cycles 5] [--out results.jsonl] [--skip-tms]
+Usage: python benchmarks/sleep_wake.py [--cycles 3] [--out results.jsonl] [--skip-tms]
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import GiB, MiB, Recorder, environment, table, timed
+from benchmarks.common import GiB, MiB, Recorder, environment, timed
+from benchmarks.sleep_wake_report import phases, ratio_rows, summary
 from dormant.memory import MemoryManager
 
 KV_BYTES = 32 * GiB
@@ -34,6 +39,8 @@ KV_BYTES = 32 * GiB
 # a sleep that took a few milliseconds competes with the driver still scrubbing the memory just
 # released (measured: 244 ms instead of 160 ms for 8 GiB; results/2026-11-29-sleep-wake-run2).
 TRAINER_STEP_S = 0.25
+SEGMENT_TENSOR_NUMEL = MiB // 2  # 1 MiB of bf16: torch puts two in each 2 MiB segment
+NUM_SEGMENT_TENSORS = 8192
 
 
 def weight_mix() -> list[int]:
@@ -44,8 +51,12 @@ def weight_mix() -> list[int]:
     return sizes
 
 
-def small_segments() -> list[int]:
-    return [MiB] * 4096  # 4096 x 2 MiB of bf16
+def segment_tensors() -> list[torch.Tensor]:
+    """8 GiB as 8192 bf16 tensors of 1 MiB from torch's allocator (4096 segments of 2 MiB)."""
+    return [
+        torch.empty(SEGMENT_TENSOR_NUMEL, dtype=torch.bfloat16, device="cuda")
+        for _ in range(NUM_SEGMENT_TENSORS)
+    ]
 
 
 def fill_random(tensors: list[torch.Tensor]) -> None:
@@ -85,102 +96,82 @@ def _device_fill(nbytes: int) -> list[float]:
     return [timed(lambda: buffer.fill_(1))[0] for _ in range(3)]
 
 
+def cycle(rec: Recorder, mm: MemoryManager, case: str, request: dict, nbytes: int,
+          cycles: int, tensors: list[torch.Tensor] | None, wake_tags=None) -> None:  # fmt: skip
+    """``cycles`` sleeps with ``request`` (each after changing ``tensors``, if given), each wake
+    after a trainer step; one series per op, with the median of each phase."""
+    sleeps, wakes, sleep_reports, wake_reports = [], [], [], []
+    for _ in range(cycles):
+        if tensors is not None:
+            perturb(tensors)
+        s, report = timed(lambda: mm.sleep(tags=request))
+        sleeps.append(s)
+        sleep_reports.append(report)
+        time.sleep(TRAINER_STEP_S)
+        s, report = timed(lambda: mm.wake_up(wake_tags))
+        wakes.append(s)
+        wake_reports.append(report)
+    rec.series(case, "dormant", "sleep", sleeps, nbytes, **phases(sleep_reports))
+    rec.series(case, "dormant", "wake", wakes, nbytes, **phases(wake_reports))
+
+
+def first_sleep(rec: Recorder, mm: MemoryManager, case: str, request: dict, nbytes: int) -> None:
+    seconds, report = timed(lambda: mm.sleep(tags=request))
+    rec.emit(case=case, system="dormant", op="sleep", nbytes=nbytes, median_s=seconds,
+             s_per_gib=seconds / (nbytes / GiB), **phases([report]))  # fmt: skip
+    time.sleep(TRAINER_STEP_S)
+    seconds, report = timed(mm.wake_up)
+    rec.emit(case=case, system="dormant", op="wake", nbytes=nbytes, median_s=seconds,
+             **phases([report]))  # fmt: skip
+
+
 def bench_dormant(rec: Recorder, cycles: int) -> None:
+    level1 = {"weights": "host", "kv_cache": "discard"}
     mm = MemoryManager("cuda")
     weights = [mm.empty((n,), torch.bfloat16, "weights") for n in weight_mix()]
     nbytes = sum(t.numel() * 2 for t in weights)
     kv = mm.empty((KV_BYTES,), torch.uint8, "kv_cache")
     fill_random(weights)
 
-    seconds, report = timed(lambda: mm.sleep(level=1))
-    rec.emit(
-        case="first sleep",
-        system="dormant",
-        op="sleep",
-        nbytes=nbytes,
-        median_s=seconds,
-        s_per_gib=seconds / (nbytes / GiB),
-        **_phases([report]),
-    )
-    seconds, _ = timed(mm.wake_up)
-    rec.emit(case="first sleep", system="dormant", op="wake", nbytes=nbytes, median_s=seconds)
-
-    for changed in (True, False):
-        sleeps, wakes, sleep_reports, wake_reports = [], [], [], []
-        for _ in range(cycles):
-            if changed:
-                perturb(weights)
-            s, report = timed(lambda: mm.sleep(level=1))
-            sleeps.append(s)
-            sleep_reports.append(report)
-            time.sleep(TRAINER_STEP_S)
-            s, report = timed(mm.wake_up)
-            wakes.append(s)
-            wake_reports.append(report)
-        case = "8B weights + 32G KV, " + ("changed" if changed else "unchanged")
-        rec.series(case, "dormant", "sleep", sleeps, nbytes, **_phases(sleep_reports))
-        rec.series(case, "dormant", "wake", wakes, nbytes, **_phases(wake_reports))
-
-    only_sleeps, only_reports = [], []
-    for _ in range(cycles):  # the weights alone, unchanged: hash, skip the copy, release
-        s, report = timed(lambda: mm.sleep(tags={"weights": "host"}))
-        only_sleeps.append(s)
-        only_reports.append(report)
-        time.sleep(TRAINER_STEP_S)
-        mm.wake_up()
-    rec.series(
-        "8B weights only, unchanged",
-        "dormant",
-        "sleep",
-        only_sleeps,
-        nbytes,
-        **_phases(only_reports),
-    )
-
-    kv_sleeps, kv_wakes = [], []
-    for _ in range(cycles * 2):
-        kv_sleeps.append(timed(lambda: mm.sleep(tags={"kv_cache": "discard"}))[0])
-        time.sleep(TRAINER_STEP_S)
-        kv_wakes.append(timed(lambda: mm.wake_up(["kv_cache"]))[0])
-    rec.series("32G KV discard", "dormant", "sleep", kv_sleeps, KV_BYTES)
-    rec.series("32G KV discard", "dormant", "wake", kv_wakes, KV_BYTES)
+    # Start-up: the engine prepares the arena once its memory exists, then serves a while.
+    preparation = mm.prepare_arena(tags=level1)
+    preparation.wait()
+    rec.emit(case="arena preparation (background)", system="dormant", op="prepare",
+             nbytes=preparation.nbytes, median_s=preparation.seconds,
+             s_per_gib=preparation.seconds / (preparation.nbytes / GiB))  # fmt: skip
+    first_sleep(rec, mm, "first sleep, arena prepared", level1, nbytes)
+    cycle(rec, mm, "8B weights + 32G KV, changed", level1, nbytes, cycles, weights)
+    cycle(rec, mm, "8B weights + 32G KV, unchanged", level1, nbytes, cycles, None)
+    cycle(rec, mm, "8B weights only, unchanged", {"weights": "host"}, nbytes, cycles, None)
+    cycle(rec, mm, "32G KV discard", {"kv_cache": "discard"}, KV_BYTES, cycles * 2, None,
+          ["kv_cache"])  # fmt: skip
     del weights, kv
     gc.collect()
 
+    mm.register_tag("one")
+    one = [mm.empty((4 * GiB,), torch.bfloat16, "one")]
+    fill_random(one)
+    first_sleep(rec, mm, "first sleep, arena not prepared", {"one": "host"}, 8 * GiB)
+    cycle(rec, mm, "8 GiB in one allocation, changed", {"one": "host"}, 8 * GiB, cycles, one)
+    del one
+    gc.collect()
+
     mm.register_tag("segments")
-    segments = [mm.empty((n,), torch.bfloat16, "segments") for n in small_segments()]
+    with mm.capture("segments"):
+        segments = segment_tensors()
     fill_random(segments)
-    seg_bytes = sum(t.numel() * 2 for t in segments)
-    s, report = timed(lambda: mm.sleep(tags={"segments": "host"}))
-    rec.emit(
-        case="4096x2MiB first sleep",
-        system="dormant",
-        op="sleep",
-        nbytes=seg_bytes,
-        median_s=s,
-        s_per_gib=s / (seg_bytes / GiB),
-        arena_s=report.arena_s,
-    )
+    handles = len(list(mm._table.allocations(["segments"])))
+    raw_blocks = sum(1 for r in mm._table.records() if r.tag == "segments")
+    rec.emit(case="4096x2MiB layout", system="dormant", op="layout", nbytes=8 * GiB,
+             median_s=0.0, torch_segments=raw_blocks, handles=handles)  # fmt: skip
+    mm.sleep(tags={"segments": "host"})  # places the arena regions (reuses the freed arena)
     mm.wake_up()
-    sleeps, wakes = [], []
-    for _ in range(cycles):
-        perturb(segments)
-        sleeps.append(timed(lambda: mm.sleep(tags={"segments": "host"}))[0])
-        time.sleep(TRAINER_STEP_S)
-        wakes.append(timed(mm.wake_up)[0])
-    rec.series("4096x2MiB, changed", "dormant", "sleep", sleeps, seg_bytes)
-    rec.series("4096x2MiB, changed", "dormant", "wake", wakes, seg_bytes)
+    cycle(rec, mm, "4096x2MiB, changed", {"segments": "host"}, 8 * GiB, cycles, segments)
     print(mm.status().table(), flush=True)
     del segments
     gc.collect()
     mm.close()
     torch.cuda.empty_cache()
-
-
-def _phases(reports: list) -> dict[str, float]:
-    """Median of each ``*_s`` phase over a series of sleep or wake reports."""
-    names = [k for k in reports[0].__dict__ if k.endswith("_s") and k != "total_s"]
-    return {k: statistics.median(getattr(r, k) for r in reports) for k in names}
 
 
 def bench_tms(rec: Recorder, cycles: int) -> None:
@@ -191,14 +182,14 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
         weights = [torch.empty((n,), dtype=torch.bfloat16, device="cuda") for n in weight_mix()]
     with tms.region(tag="kv_cache"):
         kv = torch.empty((KV_BYTES,), dtype=torch.uint8, device="cuda")
+    before = len(torch.cuda.memory_snapshot())
     with tms.region(tag="segments", enable_cpu_backup=True):
-        segments = [
-            torch.empty((n,), dtype=torch.bfloat16, device="cuda") for n in small_segments()
-        ]
+        segments = segment_tensors()
+    rec.emit(case="4096x2MiB layout", system="tms", op="layout", nbytes=8 * GiB, median_s=0.0,
+             torch_segments=len(torch.cuda.memory_snapshot()) - before)  # fmt: skip
     fill_random(weights)
     fill_random(segments)
     nbytes = sum(t.numel() * 2 for t in weights)
-    seg_bytes = sum(t.numel() * 2 for t in segments)
 
     def pause_level1() -> None:
         tms.pause("weights")
@@ -212,14 +203,9 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
         system = "tms retain" if retain else "tms default"
         tms.retain_cpu_backup = retain
         s = timed(pause_level1)[0]
-        rec.emit(
-            case="first sleep",
-            system=system,
-            op="sleep",
-            nbytes=nbytes,
-            median_s=s,
-            s_per_gib=s / (nbytes / GiB),
-        )
+        case = "first sleep, arena not prepared"
+        rec.emit(case=case, system=system, op="sleep", nbytes=nbytes, median_s=s,
+                 s_per_gib=s / (nbytes / GiB))  # fmt: skip
         timed(resume_all)
         sleeps, wakes = [], []
         for _ in range(cycles):
@@ -230,13 +216,14 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
         rec.series("8B weights + 32G KV, changed", system, "sleep", sleeps, nbytes)
         rec.series("8B weights + 32G KV, changed", system, "wake", wakes, nbytes)
         seg_sleeps, seg_wakes = [], []
-        for _ in range(min(cycles, 3)):
+        for _ in range(cycles + 1):
             perturb(segments)
             seg_sleeps.append(timed(lambda: tms.pause("segments"))[0])
             time.sleep(TRAINER_STEP_S)
             seg_wakes.append(timed(lambda: tms.resume("segments"))[0])
-        rec.series("4096x2MiB, changed", system, "sleep", seg_sleeps, seg_bytes)
-        rec.series("4096x2MiB, changed", system, "wake", seg_wakes, seg_bytes)
+        # The first cycle of each mode allocates its pinned backups: left out, as dormant's is.
+        rec.series("4096x2MiB, changed", system, "sleep", seg_sleeps[1:], 8 * GiB)
+        rec.series("4096x2MiB, changed", system, "wake", seg_wakes[1:], 8 * GiB)
 
     kv_sleeps, kv_wakes = [], []
     for _ in range(cycles * 2):
@@ -248,43 +235,9 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
     del weights, kv, segments
 
 
-def summary(rec: Recorder, limits: dict[str, float]) -> str:
-    rows = []
-    by_key = {(r["case"], r["system"], r["op"]): r for r in rec.rows if "system" in r}
-    for (case, system, op), r in by_key.items():
-        if case == "limit":
-            continue
-        row = {
-            "case": case,
-            "system": system,
-            "op": op,
-            "median_ms": r["median_s"] * 1e3,
-            "min_ms": r.get("min_s", r["median_s"]) * 1e3,
-            "max_ms": r.get("max_s", r["median_s"]) * 1e3,
-        }
-        bandwidth = limits["d2h_gbps"] if op == "sleep" else limits["h2d_gbps"]
-        if not case.startswith("32G KV"):  # the KV-only cases copy nothing: no copy limit
-            row["x_limit"] = r["median_s"] / (r["nbytes"] / bandwidth / 1e9)
-        peer = by_key.get((case, "dormant", op))
-        if system != "dormant" and peer is not None:
-            row["peer_over_dormant"] = r["median_s"] / peer["median_s"]
-        rows.append(row)
-    columns = [
-        "case",
-        "system",
-        "op",
-        "median_ms",
-        "min_ms",
-        "max_ms",
-        "x_limit",
-        "peer_over_dormant",
-    ]
-    return table(rows, columns)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     parser.add_argument("--skip-tms", action="store_true")
     args = parser.parse_args()
@@ -294,6 +247,8 @@ def main() -> None:
     bench_dormant(rec, args.cycles)
     if not args.skip_tms:
         bench_tms(rec, args.cycles)
+    for row in ratio_rows(rec.rows):
+        rec.emit(**row)
     print(summary(rec, limits))
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite: the GPU tests and the benchmarks, in one command, on a CUDA machine.
 #
-#   scripts/gpu_suite.sh [tests|bench|demo|all] [test paths or pytest args...]  (default: tests)
+#   scripts/gpu_suite.sh [tests|bench|demo|memory|all] [test paths or pytest args...]
+#   (default: all; "memory" runs the memory layer's probes of issue 17, not part of "all")
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
 # (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
@@ -41,5 +42,14 @@ fi
 if [[ $stage == bench || $stage == all ]]; then
   python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
+fi
+if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~10 minutes
+  python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  status=$((status | PIPESTATUS[0]))
+  for probe in wake_after_release first_sleep kv_release; do
+    extra=$([[ $probe == wake_after_release ]] && echo --engine)
+    python3 benchmarks/$probe.py $extra --out "$OUT/$probe.jsonl" 2>&1 | tee "$OUT/$probe.log"
+    status=$((status | PIPESTATUS[0]))
+  done
 fi
 exit $status

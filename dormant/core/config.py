@@ -71,6 +71,9 @@ class EngineConfig:
     worker_extension_cls: str | None = None  # vLLM's: "pkg.module.Class" mixed into workers
     memory_poison: bool = False  # debug: fill discarded memory with 0xFF on wake
     memory_strict: bool = False  # refuse to discard undeclared allocations
+    # Pin the host arena for a level-1 sleep in the background once the graphs are captured, so
+    # the first sleep only copies (False: pin it at the first level-1 sleep, as vLLM does)
+    prepare_sleep_arena: bool = True
     logprobs_mode: LogprobsMode = "raw_logprobs"
     max_logprobs: int = 20  # the most logprobs a request may ask for; -1: the vocabulary
     skip_tokenizer_init: bool = False  # prompts are token ids; outputs carry no text

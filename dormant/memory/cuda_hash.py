@@ -144,10 +144,10 @@ class PendingHashes:
     """Digests being computed on the device: ``result()`` waits for them (an event) and returns
     one 16-byte digest per span. Holds the pinned buffers the copies use until then."""
 
-    def __init__(self, table_host: torch.Tensor, digests_host: torch.Tensor) -> None:
+    def __init__(self, table_host: torch.Tensor, digests_host: torch.Tensor, on_cuda: bool) -> None:
         self._buffers = (table_host, digests_host)
         self._event: torch.cuda.Event | None = None
-        if digests_host.numel():
+        if on_cuda and digests_host.numel():
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -168,18 +168,19 @@ def start_hashes(
     view at the lowest span address (tests pass a tensor covering every span instead).
     Precondition: every span is non-empty and 16-byte aligned.
     """
+    on_cuda = device.type == "cuda"  # else Triton's interpreter, on the CPU (tests)
     empty = torch.empty((0, 4), dtype=torch.int32)
     if not spans:
-        return PendingHashes(empty, empty)
+        return PendingHashes(empty, empty, on_cuda)
     if base is None:
         base = tensor_at(min(s.address for s in spans), 16, device, _nothing).view(torch.int32)
     rows, num_programs = span_table(spans, base.data_ptr())
-    table_host = torch.from_numpy(rows).pin_memory()
+    table_host = torch.from_numpy(rows).pin_memory() if on_cuda else torch.from_numpy(rows)
     table = table_host.to(device, non_blocking=True)
     partials = launch(base, table, num_programs)
-    digests_host = torch.empty((len(spans), 4), dtype=torch.int32, pin_memory=True)
+    digests_host = torch.empty((len(spans), 4), dtype=torch.int32, pin_memory=on_cuda)
     digests_host.copy_(span_sums(partials, table), non_blocking=True)
-    return PendingHashes(table_host, digests_host)
+    return PendingHashes(table_host, digests_host, on_cuda)
 
 
 def hash_spans(

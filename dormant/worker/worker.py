@@ -190,6 +190,8 @@ class Worker:
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_graphs()
+        if self.config.enable_sleep_mode and self.config.prepare_sleep_arena:
+            self.mm.prepare_arena(level=1)  # in the background: the first sleep then only copies
         graphs = self.runner.graphs
         return max(graphs.multi_step, default=0) if graphs is not None else 0
 

@@ -132,3 +132,26 @@ def test_freeing_blocks_of_a_sleeping_slab_frees_it_with_the_last(faulty: Faulty
     assert faulty.inner.live_reservations() == {}
     mm.wake_up()
     mm.close()
+
+
+@pytest.mark.gpu
+def test_a_capture_scopes_segments_share_handles_and_come_back_bit_exact() -> None:
+    """torch's caching allocator serves 1 MiB tensors from 2 MiB segments, one raw_alloc each:
+    the shape of graph pools and capture scopes. They must not cost a handle each."""
+    mm = MemoryManager("cuda")
+    mm.register_tag("segments")
+    with mm.capture("segments"):
+        tensors = [torch.empty(MiB // 4, dtype=torch.float32, device="cuda") for _ in range(512)]
+    for seed, t in enumerate(tensors):
+        t.copy_(torch.randn(t.numel(), generator=torch.Generator().manual_seed(seed)))
+    expected = [t.clone() for t in tensors]
+    num_segments = sum(1 for r in mm._table.records() if r.tag == "segments")
+    num_handles = len(list(mm._table.allocations(["segments"])))
+    assert num_segments >= 256 and num_handles < num_segments // 4
+    for _ in range(2):
+        mm.sleep(tags={"segments": "host"})
+        mm.wake_up()
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
+    del tensors, expected
+    gc.collect()
+    mm.close()

@@ -56,6 +56,12 @@ assert digests == [reference_digest(words[f : f + n]) for f, n in layout]
 data[2048 + 69_999] ^= 1  # one bit of the last word of the third span
 after = cuda_hash.hash_spans(spans, torch.device("cpu"), base=data)
 assert [a != b for a, b in zip(after, digests)] == [False, False, True, False, False]
+# Many spans, and one: the same compiled search (a fixed number of steps) finds every span.
+many = [Span(data.data_ptr() + 64 * i, 48) for i in range(1000)]
+pending = [cuda_hash.start_hashes(group, torch.device("cpu"), base=data)
+           for group in (many, many[500:501], many[:17])]
+expected = [reference_digest(words[16 * i : 16 * i + 12]) for i in range(1000)]
+assert [p.result() for p in pending] == [expected, expected[500:501], expected[:17]]
 print("hash: ok")
 """
 
