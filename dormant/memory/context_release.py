@@ -1,15 +1,18 @@
 """The manager's side of releasing this process's CUDA state (``process_checkpoint.py``).
 
-    release: refuse (NCCL communicators; a driver that cannot) ─▶ collect garbage, synchronize
-             ─▶ lock + checkpoint (helper) ─▶ released
+    release: refuse (NCCL communicators; a driver that cannot) ─▶ synchronize ─▶ pause the
+             garbage collector ─▶ lock + checkpoint (helper) ─▶ released
     while released: every manager call that needs the device raises ContextReleasedError at
              once instead of blocking in the locked driver; frees of tensors that die meanwhile
              wait, and run right after the restore; status() reads NVML only
-    restore (wake_up does it first): restore + unlock (helper) ─▶ the waiting frees run
+    restore (wake_up does it first): restore + unlock (helper) ─▶ the collector runs again
+             ─▶ the waiting frees run
 
 Refusals come before anything changes. A checkpoint that fails leaves the process unlocked
-where the driver allows it, and the error says what state it is in. Collecting garbage first
-matters: a tensor freed while locked would block its thread in the driver.
+where the driver allows it, and the error says what state it is in. The garbage collector is
+paused while released because a tensor freed by a collection makes a CUDA call (an event record,
+a free), which would block its thread in the locked driver: that thread could be the one that
+must call wake. (Collecting first instead costs a full collection, 0.4 s in a test process.)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class ContextRelease:
     def __init__(self, serial: SerialSection, backend: Backend, measure: Measure) -> None:
         self._serial, self._backend, self._measure = serial, backend, measure
         self._checkpoint: ProcessCheckpoint | None = None
+        self._gc_was_enabled = False
         self.last: ContextReport | None = None
         self._pending: list[Callable[[], None]] = []
 
@@ -94,10 +98,15 @@ class ContextRelease:
             if self.last is not None and self.last.is_released:
                 return self.last
             checkpointer = self._checked(checkpoint)
-            gc.collect()  # a tensor dying while the driver is locked would block its thread
             self._backend.synchronize()
             before = self._measure()
-            seconds = checkpointer.checkpoint()
+            self._gc_was_enabled = gc.isenabled()
+            gc.disable()  # no collection may free a tensor (a CUDA call) while it is locked
+            try:
+                seconds = checkpointer.checkpoint()
+            except BaseException:
+                self._enable_gc()
+                raise
             self.last = ContextReport(True, seconds, None, before, self._measure())
             return self.last
 
@@ -116,10 +125,15 @@ class ContextRelease:
                 restore_s=time.perf_counter() - start,
                 process_bytes_restored=self._measure(),
             )
+            self._enable_gc()
             pending, self._pending = self._pending, []
             for work in pending:
                 work()
             return self.last
+
+    def _enable_gc(self) -> None:
+        if self._gc_was_enabled:
+            gc.enable()
 
     def defer(self, work: Callable[[], None]) -> bool:
         """Keeps ``work`` (a free) for after the restore if the context is released; returns

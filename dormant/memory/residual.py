@@ -74,7 +74,10 @@ class ResidualLedger:
         self._table, self._serial = table, serial
         self.device = table.backend.device
         self.is_cuda = self.device.type == "cuda"
-        self._pci_bus_id = _pci_bus_id(self.device.index) if self.is_cuda else None
+        self._pci_bus_id = pci_bus_id_of(self.device.index) if self.is_cuda else None
+        # NVML must list us now (we have a context): a PID namespace can hide our pid from it
+        listed = nvml.compute_processes(self._pci_bus_id) if self._pci_bus_id else None
+        self._is_listed = listed is not None and os.getpid() in listed
         self.samples: list[Sample] = [self.sample("the manager started")] if self.is_cuda else []
         self.last_release: TorchRelease | None = None
 
@@ -108,11 +111,17 @@ class ResidualLedger:
         return self.last_release
 
     def process_bytes(self) -> int | None:
-        """NVML's figure for this process on the device (None when unknown); safe while the
-        process's CUDA state is checkpointed."""
-        if self._pci_bus_id is None:
+        """NVML's figure for this process on the device (None when unknown: no NVML, or it did
+        not list this process when the manager started, with a context); safe while the
+        process's CUDA state is checkpointed (then it is 0)."""
+        if self._pci_bus_id is None or not self._is_listed:
             return None
         return nvml.process_memory(self._pci_bus_id, os.getpid())
+
+    @property
+    def pci_bus_id(self) -> str | None:
+        """The device's PCI bus id (what NVML knows it by); None off CUDA."""
+        return self._pci_bus_id
 
     def device_memory(self) -> nvml.DeviceMemory | None:
         return None if self._pci_bus_id is None else nvml.device_memory(self._pci_bus_id)
@@ -178,10 +187,13 @@ def _stack_change(before: Sample, after: Sample) -> str:
     return f" (per-thread stack limit {before.stack_bytes} -> {after.stack_bytes} B)"
 
 
-def _pci_bus_id(index: int | None) -> str | None:
+def pci_bus_id_of(index: int | None) -> str | None:
+    """The PCI bus id of CUDA device ``index`` (what NVML knows it by), read without creating a
+    context; None when the driver cannot say."""
     from dormant.memory.cuda_driver import call
 
     try:
+        call("cuInit", 0)
         device = call("cuDeviceGet", 0 if index is None else index)
         raw = call("cuDeviceGetPCIBusId", 32, device)
     except Exception:

@@ -146,6 +146,7 @@ def test_a_released_manager_refuses_the_device_and_defers_frees(fake_driver) -> 
             mm.empty((16,), torch.uint8, "workspace")
         with pytest.raises(ContextReleasedError):
             mm.sleep(level=1)
+        assert not gc.isenabled()  # no collection can free a tensor into the locked driver
         status = mm.status()  # answers without the device
         assert status.context is not None and status.context.is_released
         assert "released" in status.table()
@@ -155,7 +156,7 @@ def test_a_released_manager_refuses_the_device_and_defers_frees(fake_driver) -> 
         # the free waits for the restore: its VA is still reserved
         assert len(backend.live_reservations()) == 2  # type: ignore[attr-defined]
         mm.wake_up()
-        assert not mm.context.is_released
+        assert not mm.context.is_released and gc.isenabled()
         assert len(backend.live_reservations()) == 1  # type: ignore[attr-defined]
         assert bool((kept == 7).all())
         assert fake_driver.ops() == ["lock", "checkpoint", "restore", "unlock"]
