@@ -10,7 +10,9 @@ intermediate dimension like a column-parallel gate/up and a row-parallel down, s
 all-reduce after the combine makes the output whole. Checkpoints name each expert apart
 (Hugging Face's ``experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``), each a full
 ``[I, H]`` or ``[H, I]`` tensor; the loader copies this rank's slice into the fused tensors in
-place, so their addresses never change.
+place, so their addresses never change. transformers 5 holds the experts fused in memory
+(``experts.gate_up_proj [E, 2I, H]``, gate rows first, and ``experts.down_proj [E, H, I]``): a
+trainer on it sends those names, which load too, as aliases of the per-expert names.
 
 Routing results and the sorted pairs are per-step intermediates, like attention's: in the
 CUDA-graph pool (``cuda_graph``) when captured, else transient; nothing persistent is allocated.
@@ -81,6 +83,14 @@ class FusedMoE(nn.Module):
                 param = self.w2_weight if projection == "down_proj" else self.w13_weight
                 yield f"{expert}.{projection}.weight", param, ExpertShard(expert, projection)
 
+    def checkpoint_aliases(self) -> Iterator[tuple[str, nn.Parameter, str, tuple[str, ...]]]:
+        """transformers 5's fused names: (name, parameter, shard id, the names it covers)."""
+        experts = range(self.num_experts)
+        gate_up = tuple(f"{e}.{p}.weight" for e in experts for p in ("gate_proj", "up_proj"))
+        down = tuple(f"{e}.down_proj.weight" for e in experts)
+        yield "gate_up_proj", self.w13_weight, "gate_up_proj", gate_up
+        yield "down_proj", self.w2_weight, "down_proj", down
+
     def _shard(self, shard_id: ShardId | None) -> ExpertShard:
         if (
             not isinstance(shard_id, tuple)
@@ -96,7 +106,12 @@ class FusedMoE(nn.Module):
         return ExpertShard(*shard_id)
 
     def loaded_shape(self, param: Tensor, shard_id: ShardId | None = None) -> torch.Size:
-        """``[I, H]`` for gate and up, ``[H, I]`` for down: one expert's full tensor."""
+        """``[I, H]`` for gate and up, ``[H, I]`` for down: one expert's full tensor; with a
+        fused name, every expert's (``[E, 2I, H]``, ``[E, H, I]``)."""
+        if shard_id == "gate_up_proj":
+            return torch.Size((self.num_experts, 2 * self.intermediate_size, self.hidden_size))
+        if shard_id == "down_proj":
+            return torch.Size((self.num_experts, self.hidden_size, self.intermediate_size))
         shard = self._shard(shard_id)
         if shard.projection == "down_proj":
             return torch.Size((self.hidden_size, self.intermediate_size))
@@ -106,8 +121,16 @@ class FusedMoE(nn.Module):
         self, param: Tensor, loaded_weight: Tensor, shard_id: ShardId | None = None
     ) -> None:
         check_loaded_shape(param, loaded_weight, self.loaded_shape(param, shard_id), shard_id)
-        shard = self._shard(shard_id)
         local, start = self.local_intermediate_size, self.tp_rank * self.local_intermediate_size
+        if shard_id == "gate_up_proj":  # [E, gate I | up I, H]
+            up_start = self.intermediate_size + start
+            param.data[:, :local].copy_(loaded_weight[:, start : start + local])
+            param.data[:, local:].copy_(loaded_weight[:, up_start : up_start + local])
+            return
+        if shard_id == "down_proj":
+            param.data.copy_(loaded_weight[:, :, start : start + local])
+            return
+        shard = self._shard(shard_id)
         if shard.projection == "down_proj":
             param.data[shard.expert].copy_(loaded_weight.narrow(1, start, local))
             return

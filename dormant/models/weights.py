@@ -54,6 +54,9 @@ class WeightTarget:
     loader: WeightLoader
     full_shape: torch.Size
     kind: WeightKind
+    # An alias: another layout of these names' tensors (transformers 5's in-memory fused
+    # experts). Writing it writes them; a complete checkpoint need not hold it.
+    covers: tuple[str, ...] = ()
 
     def shape_problem(self, shape: torch.Size) -> str | None:
         if self.kind is WeightKind.SCALE:
@@ -85,6 +88,12 @@ def weight_targets(model: nn.Module, packed: PackedMapping) -> dict[str, WeightT
                 seen.add(id(param))
                 shape = loaded_shape(param, shard_id)
                 target = WeightTarget(param, shard_id, loader, shape, WeightKind.MATRIX)
+                table[f"{module_name}.{leaf_name}"] = target
+            aliases = getattr(module, "checkpoint_aliases", tuple)
+            for leaf_name, param, shard_id, covered in aliases():
+                shape = loaded_shape(param, shard_id)
+                names = tuple(f"{module_name}.{leaf}" for leaf in covered)
+                target = WeightTarget(param, shard_id, loader, shape, WeightKind.MATRIX, names)
                 table[f"{module_name}.{leaf_name}"] = target
             continue
         for param_name, param in module.named_parameters(recurse=False):
@@ -178,18 +187,23 @@ def check_weights(
     """Raises ``WeightError`` listing every bad entry; writes nothing."""
     problems: list[str] = []
     seen: set[str] = set()
+    covered: set[str] = set()  # written through an alias
     for name, shape, dtype in items:
         if name in seen:
             problems.append(f"{name}: appears more than once")
         seen.add(name)
+        if name in table:
+            covered.update(table[name].covers)
         if is_ignored(name, is_tied):
             continue
         problem = item_problem(name, shape, dtype, table, exact_dtype)
         if problem is not None:
             problems.append(problem)
     if require_complete:
-        required = [n for n, t in table.items() if t.kind is not WeightKind.SCALE]
-        problems.extend(f"{n}: missing from the checkpoint" for n in required if n not in seen)
+        required = [n for n, t in table.items() if t.kind is not WeightKind.SCALE and not t.covers]
+        problems.extend(
+            f"{n}: missing from the checkpoint" for n in required if n not in seen | covered
+        )
     if problems:
         raise WeightError(problems, _NOTHING_WRITTEN)
 
@@ -198,7 +212,8 @@ def check_weights(
 def load_weights(
     table: Mapping[str, WeightTarget], is_tied: bool, weights: Iterable[tuple[str, Tensor]]
 ) -> set[str]:
-    """Writes each tensor in place through its loader; returns the names written.
+    """Writes each tensor in place through its loader; returns the names written (for an
+    alias, the names it covers).
 
     Each entry is checked before it is written; a bad entry raises ``WeightError``, and the
     entries before it stay written (use ``check_weights`` first to reject a whole checkpoint).
@@ -216,14 +231,16 @@ def load_weights(
             )
         target = table[name]
         target.loader(target.tensor, tensor, target.shard_id)
-        written.add(name)
+        written.update(target.covers or (name,))
     return written
 
 
 def expected_weight_shapes(table: Mapping[str, WeightTarget]) -> dict[str, torch.Size]:
     """Name → full shape of every tensor a complete checkpoint provides (k/v scales, being
-    optional, are not listed)."""
-    return {n: t.full_shape for n, t in table.items() if t.kind is not WeightKind.SCALE}
+    optional, and aliases are not listed)."""
+    return {
+        n: t.full_shape for n, t in table.items() if t.kind is not WeightKind.SCALE and not t.covers
+    }
 
 
 @torch.no_grad()
@@ -241,7 +258,7 @@ def init_random_weights(table: Mapping[str, WeightTarget], seed: int) -> None:
     generator.manual_seed(seed)
     for target in table.values():
         dtype, shape = target.tensor.dtype, target.full_shape
-        if target.kind is WeightKind.SCALE:
+        if target.kind is WeightKind.SCALE or target.covers:
             continue
         if target.kind is WeightKind.NORM:
             full = torch.ones(shape, dtype=dtype, device=device)

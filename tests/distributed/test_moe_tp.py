@@ -1,6 +1,7 @@
 """Qwen3-MoE under tensor parallelism on the CPU (gloo, TP=2): each rank holds a slice of every
 expert's intermediate dimension, one all-reduce after the experts; the tokens equal TP=1's,
-through a level-1 cycle and a level-2 refit by HF per-expert names."""
+through a level-1 cycle, a level-2 refit by HF per-expert names and one by transformers 5's
+fused expert names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from dormant import LLM
 from tests.engine.conftest import GREEDY, PROMPTS
-from tests.engine.moe_checkpoint import moe_state_dict, write_moe_checkpoint
+from tests.engine.moe_checkpoint import hf_moe_model, moe_state_dict, write_moe_checkpoint
 
 OPTIONS = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
 
@@ -64,3 +65,5 @@ def test_tp2_moe_level_1_then_level_2_refit_by_expert_names(tp2: LLM, expected, 
     tp2.update_weights(moe_state_dict(checkpoints[1]))  # every rank takes its slices
     tp2.wake_up(["kv_cache"])
     assert tokens(tp2) == expected["greedy_b"]
+    tp2.update_weights(hf_moe_model(1).state_dict())  # transformers 5's fused expert names
+    assert tokens(tp2) == expected["greedy"]

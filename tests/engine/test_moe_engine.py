@@ -110,6 +110,21 @@ def test_the_model_object_path_writes_expert_by_expert(make_llm, moe_a, moe_b, e
     assert tokens(llm.generate(PROMPTS, GREEDY)) == expected_b
 
 
+def test_a_transformers_5_trainer_refits_with_its_fused_expert_names(make_llm, moe_a, expected_b):
+    """TRL's loop over ``named_parameters()`` of a transformers 5 model, whose experts are
+    ``experts.gate_up_proj`` / ``experts.down_proj``: the refit is complete, not stale."""
+    trainer = hf_moe_model(2)
+    assert any(name.endswith("experts.gate_up_proj") for name, _ in trainer.named_parameters())
+    llm = make_llm(str(moe_a))
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for name, param in trainer.named_parameters():
+        model.load_weights([(name, param.detach())])
+    llm.wake_up(tags=["kv_cache"])
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == expected_b
+
+
 def test_update_weights_from_tensor_named_and_flattened(make_llm, moe_a, moe_b, expected_b):
     llm = make_llm(str(moe_a))
     before = tokens(llm.generate(PROMPTS, GREEDY))

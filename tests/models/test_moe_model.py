@@ -226,3 +226,26 @@ def test_the_reference_forms_agree(dtype: torch.dtype, renormalize: bool) -> Non
             expected[t] += float(weights[t, j]) * out
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(grouped.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_transformers_5_fused_names_load_as_aliases(moe_checkpoint: Path) -> None:
+    """A trainer on transformers 5 holds the experts fused (``experts.gate_up_proj``,
+    ``experts.down_proj``); its ``state_dict()`` loads as well as the per-expert names."""
+    reference = load_dormant(moe_checkpoint)
+    hf_state = make_hf_model(qwen3_moe_config(), seed=5).state_dict()
+    assert f"{EXPERT}.gate_up_proj" in hf_state and f"{EXPERT}.0.gate_proj.weight" not in hf_state
+    model = load_dormant(moe_checkpoint)
+    for param in model.parameters():
+        param.data.zero_()
+    items = [(name, t.shape, t.dtype) for name, t in hf_state.items()]
+    model.check_weights(items, require_complete=True)  # the aliases cover every expert name
+    assert model.load_weights(hf_state.items()) == set(model.expected_weight_shapes())
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in
+                   model.expected_weight_shapes())  # fmt: skip
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    with pytest.raises(WeightError, match=r"experts\.gate_up_proj: shape \(8, 32, 64\)"):
+        model.load_weights([(f"{EXPERT}.gate_up_proj", torch.zeros(8, 32, 64))])
+    with pytest.raises(WeightError, match=r"experts\.5\.up_proj\.weight: missing"):
+        partial = [i for i in items if not i[0].endswith("gate_up_proj")]
+        model.check_weights(partial, require_complete=True)
