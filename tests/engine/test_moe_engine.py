@@ -61,6 +61,17 @@ def test_the_engine_decodes_what_transformers_decodes(make_llm, moe_a) -> None:
     assert [tuple(t) for t in ours] == [_hf_greedy(1, p, 16) for p in PROMPTS]
 
 
+def test_the_fused_experts_live_in_the_weights_tag(make_llm, moe_a) -> None:
+    llm = make_llm(str(moe_a), memory_strict=True)
+    worker = llm.llm_engine.executor.worker
+    sparse = [layer.mlp for layer in worker.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(sparse) == 2  # layers 0 and 2; layer 1 is dense
+    for mlp in sparse:
+        for tensor in (mlp.experts.w13_weight, mlp.experts.w2_weight, mlp.gate.weight):
+            assert worker.mm.tag_of(tensor) == "weights"
+    assert len(llm.audit()[0].by_tag("kv_cache")) == 1  # the KV backing, and nothing else
+
+
 def test_level_1_and_level_2_cycles_keep_the_tokens(make_llm, moe_a) -> None:
     llm = make_llm(str(moe_a))
     expected = tokens(llm.generate(PROMPTS, GREEDY))
