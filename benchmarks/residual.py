@@ -180,11 +180,19 @@ def child_main(case: str) -> None:
         rows = {r.owner: r.nbytes for r in status.residual}
         outside = sum(n for owner, n in rows.items() if owner.startswith("torch: live"))
         census = [path for path, _ in untagged_tensors(worker, worker.mm)]
+        live = [  # torch's live blocks outside the tags, for a failure to show
+            block["size"]
+            for segment in torch.cuda.memory_snapshot()
+            if worker.mm.tag_of(segment["address"]) is None
+            for block in segment["blocks"]
+            if block["state"] == "active_allocated"
+        ]
         result.update(
             sleep_s=sleep_s, residual_bytes=(total - free) - baseline,
             torch_outside_tags_allocated_bytes=outside,
             torch_memory_allocated_bytes=torch.cuda.memory_allocated(),
             census=census, residual_rows=rows, status_asleep=status.table(),
+            live_blocks_outside_tags=sorted(live, reverse=True)[:20],
             released={r.owner: r.nbytes for r in status.released},
         )  # fmt: skip
         llm.wake_up(["weights"])
