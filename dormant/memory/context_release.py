@@ -17,8 +17,10 @@ must call wake. (Collecting first instead costs a full collection, 0.4 s in a te
 
 from __future__ import annotations
 
+import atexit
 import gc
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -48,6 +50,7 @@ class ContextRelease:
         self._serial, self._backend, self._measure = serial, backend, measure
         self._checkpoint: ProcessCheckpoint | None = None
         self._gc_was_enabled = False
+        atexit.register(_restore_at_exit, weakref.ref(self))
         self.last: ContextReport | None = None
         self._pending: list[Callable[[], None]] = []
 
@@ -148,3 +151,11 @@ class ContextRelease:
         if self._checkpoint is not None:
             self._checkpoint.close()
             self._checkpoint = None
+
+
+def _restore_at_exit(ref: weakref.ref[ContextRelease]) -> None:
+    """A process that exits while released would block in the locked driver as it tears CUDA
+    down: it is restored first."""
+    context = ref()
+    if context is not None and context.is_released:
+        context.restore()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from dormant.memory import process_checkpoint as pc
 from tests.fake_driver import FakeDriver
 
 MiB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -173,3 +175,16 @@ def test_closing_a_released_manager_restores_first(fake_driver) -> None:
     mm.close()
     assert fake_driver.ops() == ["lock", "checkpoint", "restore", "unlock"]
     del tensor
+
+
+def test_a_process_that_exits_released_is_restored_first(fake_driver: FakeDriver) -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import torch; from dormant.memory import MemoryManager; mm = MemoryManager('host'); "
+        "t = mm.empty((1 << 20,), torch.uint8, 'weights'); mm.context.release()"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=120, cwd=ROOT)
+    assert done.returncode == 0
+    assert fake_driver.ops() == ["lock", "checkpoint", "restore", "unlock"]
