@@ -17,10 +17,10 @@ from dormant.layers.triton_moe_routing import topk_softmax
 
 # (block_m, gate/up block_n, block_k, down block_n, block_k, warps, stages)
 CANDIDATES = {
-    1: [(16, 32, 128, 64, 128, 4, 4), (16, 64, 128, 64, 128, 4, 3), (16, 64, 64, 128, 64, 4, 4),
-        (16, 32, 256, 32, 256, 4, 3), (16, 128, 64, 128, 64, 8, 3)],
-    64: [(16, 64, 128, 64, 128, 4, 3), (32, 64, 64, 64, 64, 4, 3), (64, 64, 64, 64, 64, 4, 3),
-         (64, 128, 64, 128, 64, 8, 3)],
+    1: [(16, 64, 128, 64, 128, 4, 3), (16, 32, 64, 32, 128, 4, 4), (16, 16, 128, 32, 128, 4, 4),
+        (16, 32, 256, 32, 256, 4, 3), (16, 64, 64, 128, 64, 8, 3)],
+    64: [(16, 64, 128, 64, 128, 4, 3), (16, 32, 64, 64, 64, 4, 4), (32, 64, 64, 64, 64, 4, 3),
+         (64, 64, 64, 64, 64, 4, 3)],
 }  # fmt: skip
 
 
@@ -45,7 +45,7 @@ def bench_experts(rec: Recorder, model: torch.nn.Module, bandwidth: float) -> No
         nbytes = len(layers) * int(torch.unique(ids).numel()) * per_expert * 2
         inter, hidden = first.local_intermediate_size, first.hidden_size
         default = (
-            block_config(batch_size, first.top_k, first.num_experts, inter, hidden, x.dtype),
+            block_config(batch_size, first.top_k, first.num_experts, inter, hidden, x.dtype, True),
             block_config(batch_size, first.top_k, first.num_experts, hidden, inter, x.dtype),
         )
         for candidate in [None, *candidates]:

@@ -37,15 +37,22 @@ class BlockConfig:
 
 
 def block_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int,
-                 dtype: torch.dtype) -> BlockConfig:  # fmt: skip
-    """Tile sizes for a GEMM with ``n`` output columns and depth ``k``. Few rows per expert
-    (decode): 16-row blocks, long k tiles (the step reads weights). Many: 64-row blocks."""
-    is_small = num_tokens * top_k <= 2 * num_experts
+                 dtype: torch.dtype, is_gate_up: bool = False) -> BlockConfig:  # fmt: skip
+    """Tile sizes for a GEMM with ``n`` output columns and depth ``k``.
+
+    Up to 8 rows per expert on average (decode; vLLM's rule is tokens <= experts): 16-row
+    blocks and long k tiles, since the step is reading weights. More: 64-row blocks. The
+    gate/up kernel loads two weight tiles per step, so it takes half the columns per program:
+    the same bytes in flight, twice the programs to spread over the SMs.
+    """
+    is_small = num_tokens * top_k <= 8 * num_experts
     block_m = 16 if is_small else 64
-    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    widest_n = 32 if is_gate_up and is_small else 64
+    block_n = max(16, min(widest_n, triton.next_power_of_2(n)))
     wide_k = 128 if dtype.itemsize <= 2 else 64
     block_k = max(16, min(wide_k if is_small else 64, triton.next_power_of_2(k)))
-    return BlockConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
+    num_stages = 4 if is_small and dtype.itemsize <= 2 else 3
+    return BlockConfig(block_m, block_n, block_k, num_warps=4, num_stages=num_stages)
 
 
 @triton.jit
@@ -161,7 +168,7 @@ def fused_experts(
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     up, down = configs or (
-        block_config(num_tokens, top_k, num_experts, inter, hidden, x.dtype),
+        block_config(num_tokens, top_k, num_experts, inter, hidden, x.dtype, is_gate_up=True),
         block_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype),
     )
     if up.block_m != down.block_m:
