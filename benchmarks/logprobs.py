@@ -1,7 +1,8 @@
 """What logprobs cost a decode step of an 8B-like model (random weights) with CUDA graphs.
 
 - batch-64 decode step (FULL graph, sampling after the replay) with ``logprobs=None``, ``0``
-  and ``5``, greedy and seeded (temperature 0.8, top-p 0.9), target <= 1.05x the ``None`` step;
+  and ``5`` (the three interleaved, round after round), greedy and seeded (temperature 0.8,
+  top-p 0.9), target <= 1.05x the ``None`` step;
 - the same in ``processed_logprobs`` mode (TRL's setting);
 - the fused multi-step graph at batch 1 and 8, per token, with ``logprobs=None`` and ``5``
   (the graph carries logprobs either way, so the two should be equal).
@@ -50,8 +51,14 @@ def decode_step(batch_size: int, block_size: int, params: SamplingParams) -> Ste
     return StepInput(seqs, is_prefill=False)
 
 
-def median_step(run, step: StepInput) -> float:
-    return statistics.median(time_steps(run, step)[3:])
+def interleaved_medians(run, steps: list[StepInput], rounds: int = 10) -> list[float]:
+    """Median seconds of each step, run in turn in ``rounds`` rounds of 12 (the first 2 of each
+    dropped), so that clock and thermal drift fall on every case alike."""
+    samples: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for sink, step in zip(samples, steps, strict=True):
+            sink.extend(time_steps(run, step, repeats=12)[2:])
+    return [statistics.median(sink) for sink in samples]
 
 
 def main() -> None:
@@ -72,11 +79,13 @@ def main() -> None:
         worker = llm.llm_engine.executor.worker
         block_size = llm.llm_engine.config.block_size
         for name, options in PARAMS.items():
-            base = None
-            for num_logprobs in (None, 0, 5):
-                params = SamplingParams(**options, logprobs=num_logprobs)
-                step_s = median_step(worker.execute, decode_step(64, block_size, params))
-                base = base or step_s
+            cases = (None, 0, 5)
+            steps = [
+                decode_step(64, block_size, SamplingParams(**options, logprobs=num_logprobs))
+                for num_logprobs in cases
+            ]
+            medians = interleaved_medians(worker.execute, steps)
+            for num_logprobs, step_s in zip(cases, medians, strict=True):
                 rows.append(
                     rec.emit(
                         case="decode",
@@ -85,18 +94,19 @@ def main() -> None:
                         batch_size=64,
                         logprobs=num_logprobs,
                         step_s=step_s,
-                        x_no_logprobs=step_s / base,
+                        x_no_logprobs=step_s / medians[0],
                     )
                 )
         if mode == "raw_logprobs":
             num_steps = llm.llm_engine.config.cuda_graph_multi_steps
             for batch_size in (1, 8):
-                base = None
-                for num_logprobs in (None, 5):
-                    params = SamplingParams(temperature=0.0, logprobs=num_logprobs)
-                    step = decode_step(batch_size, block_size, params)
-                    per_token = median_step(worker.execute_multi_step, step) / num_steps
-                    base = base or per_token
+                cases = (None, 5)
+                steps = [
+                    decode_step(batch_size, block_size, SamplingParams(temperature=0.0, logprobs=k))
+                    for k in cases
+                ]
+                medians = interleaved_medians(worker.execute_multi_step, steps, rounds=5)
+                for num_logprobs, step_s in zip(cases, medians, strict=True):
                     rows.append(
                         rec.emit(
                             case="decode multi-step",
@@ -104,8 +114,8 @@ def main() -> None:
                             params="greedy",
                             batch_size=batch_size,
                             logprobs=num_logprobs,
-                            step_s=per_token,
-                            x_no_logprobs=per_token / base,
+                            step_s=step_s / num_steps,
+                            x_no_logprobs=step_s / medians[0],
                         )
                     )
         llm.shutdown()
