@@ -9,13 +9,21 @@ Sleep::
     synchronize the device           never copy or unmap under running kernels
     place host copies in the arena   (may grow it, or wait for its background preparation: an
                                      error here changes nothing)
-    start hashing MAPPED HOST        in groups of about 1/8 of the bytes, largest first, all
-    allocations                      launched at once (hash_groups)
-    per group, once its hashes land  start the D2H copy of each stale allocation (asynchronous;
-                                     its host copy is marked invalid first), then release each
-                                     unchanged one, while the device hashes the next groups
-    release DISCARD                  while the copies run
+    hash MAPPED HOST allocations     in groups of about 1/8 of the bytes, largest first, launched
+                                     back to back (hash_groups), all waited for before anything
+                                     else: unchanged since their last offload → no copy
+    start the D2H copies             one per stale allocation, largest first, asynchronous; each
+                                     one's host copy is marked invalid before its copy starts
+    release DISCARD + unchanged      while the copies run, largest first
     release each stale allocation    as soon as its own copy has landed (host copy now valid)
+
+Why every digest is known before the first copy starts: a group's digests come back by a small
+device-to-host copy, which (inferred from the timings) queues behind the device-to-host copies
+already running. On the H200 (2026-12-01b), a sleep that started each group's copies as soon as
+that group's digests landed waited 140 ms of its 175 ms for digests (1.13 x the copy limit);
+hashing all 8 GiB first costs ~3 ms (159 ms, 1.03 x, in 2026-12-01 run 4). Nor are unchanged
+allocations released while later groups hash: the releases ran no faster under the hash kernels
+(8 GiB unchanged: 11.5 ms, against 10.1 ms with every hash waited for first).
 
 Releasing one allocation is two recorded steps: unmap (→ UNMAPPED, handle kept), then release
 (→ OFFLOADED or DISCARDED). An allocation that is already UNMAPPED only retries the release.
@@ -83,23 +91,22 @@ def sleep_allocations(
     t_arena = time.perf_counter()
 
     groups = hash_groups([a for a in host if a.state is State.MAPPED])
-    hashes = _Hashes(backend, groups if skip_unchanged else [])
-    stale: list[tuple[Allocation, bytes | None]] = []
+    digests = _hash_all(backend, groups) if skip_unchanged else [None] * len(groups)
+    t_hash = time.perf_counter()
+
+    hashed = [a for group in groups for a in group]  # largest first
+    stale = [(a, d) for a, d in zip(hashed, _flat(groups, digests), strict=True) if _is_stale(a, d)]
+    stale_ids = {id(a) for a, _ in stale}
     batch = backend.copy_batch()
     try:
-        for index, group in enumerate(groups):  # largest first; later groups hash meanwhile
-            unchanged = []
-            for allocation, digest in zip(group, hashes.wait(index, len(group)), strict=True):
-                if _is_stale(allocation, digest):
-                    allocation.has_host_copy, allocation.digest = False, None  # overwritten
-                    batch.add(Copy(_region(allocation).address, allocation.va, allocation.size))
-                    stale.append((allocation, digest))
-                else:
-                    unchanged.append(allocation)
-            for allocation in unchanged:
-                _release(backend, allocation, Policy.HOST)
-        for allocation in discard:
+        for allocation, _ in stale:
+            allocation.has_host_copy, allocation.digest = False, None  # being overwritten
+            batch.add(Copy(_region(allocation).address, allocation.va, allocation.size))
+        for allocation in sorted(discard, key=lambda a: -a.size):
             _release(backend, allocation, Policy.DISCARD)
+        for allocation in hashed:
+            if id(allocation) not in stale_ids:  # unchanged: its arena copy is valid
+                _release(backend, allocation, Policy.HOST)
         for allocation in host:
             if allocation.state is State.UNMAPPED:  # a failed sleep's: its copy is valid
                 _release(backend, allocation, Policy.HOST)
@@ -119,18 +126,18 @@ def sleep_allocations(
         total_s=t_end - t0,
         sync_s=t_sync - t0,
         arena_s=t_arena - t_sync,
-        hash_s=hashes.seconds,  # launching, and waiting for results not ready yet
-        copy_s=t_end - t_arena - hashes.seconds,  # copies, releases overlapped under them
+        hash_s=t_hash - t_arena,
+        copy_s=t_end - t_hash,  # copies, with the releases overlapped under them
         bytes_copied=copied,
-        bytes_skipped=sum(a.size for group in groups for a in group) - copied,
+        bytes_skipped=sum(a.size for a in hashed) - copied,
         bytes_released=sum(a.size for a in (*host, *discard)),
     )
 
 
 def hash_groups(allocations: Sequence[Allocation]) -> list[list[Allocation]]:
     """``allocations``, largest first, cut into about ``HASH_GROUPS`` groups of similar bytes
-    (at least ``HASH_GROUP_MIN_BYTES`` each): hashed one group at a time, so that the first
-    group's copies start, and its unchanged allocations are released, while the others hash."""
+    (at least ``HASH_GROUP_MIN_BYTES`` each): launched one after another, so that the device
+    hashes the first group while the host prepares the next one's table."""
     ordered = sorted(allocations, key=lambda a: -a.size)
     target = max(sum(a.size for a in ordered) // HASH_GROUPS, HASH_GROUP_MIN_BYTES)
     groups: list[list[Allocation]] = []
@@ -144,25 +151,24 @@ def hash_groups(allocations: Sequence[Allocation]) -> list[list[Allocation]]:
     return groups
 
 
-class _Hashes:
-    """The content hashes of ``groups``, all started at once (none when ``groups`` is empty:
-    then every digest is None, and every allocation is copied)."""
+def _hash_all(backend: Backend, groups: Sequence[Sequence[Allocation]]) -> list[list[bytes] | None]:
+    """Every group's digests: all groups launched, then all waited for (no copy is queued yet,
+    so no digest download waits behind one)."""
+    if not groups:
+        return []
+    batch = backend.hash_batch()
+    indices = [batch.add([a.span for a in group]) for group in groups]
+    return [list(batch.wait(index)) for index in indices]
 
-    def __init__(self, backend: Backend, groups: Sequence[Sequence[Allocation]]) -> None:
-        start = time.perf_counter()
-        self._batch = backend.hash_batch() if groups else None
-        for group in groups:
-            assert self._batch is not None
-            self._batch.add([a.span for a in group])
-        self.seconds = time.perf_counter() - start
 
-    def wait(self, index: int, count: int) -> list[bytes | None]:
-        if self._batch is None:
-            return [None] * count
-        start = time.perf_counter()
-        digests: list[bytes | None] = list(self._batch.wait(index))
-        self.seconds += time.perf_counter() - start
-        return digests
+def _flat(
+    groups: Sequence[Sequence[Allocation]], digests: Sequence[list[bytes] | None]
+) -> list[bytes | None]:
+    """One digest per allocation of ``groups``, in order (None for a group not hashed)."""
+    flat: list[bytes | None] = []
+    for group, group_digests in zip(groups, digests, strict=True):
+        flat.extend([None] * len(group) if group_digests is None else group_digests)
+    return flat
 
 
 def wake_allocations(

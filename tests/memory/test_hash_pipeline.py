@@ -1,5 +1,6 @@
-"""A sleep hashes its HOST allocations in groups, largest first (transitions.hash_groups): each
-group's copies start, and its unchanged allocations are released, while later groups hash."""
+"""A sleep hashes its HOST allocations in groups, largest first (transitions.hash_groups), launched
+back to back, and knows every digest before its first copy or release: a digest download queued
+behind a running device-to-host copy waits for all of it (transitions.py, H200 2026-12-01b)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,22 @@ class RecordingBackend(FaultyBackend):
     def unmap(self, va: int, size: int) -> None:
         self.events.append(("unmap", size))
         self.inner.unmap(va, size)
+
+    def copy_batch(self):  # type: ignore[no-untyped-def]
+        inner, events = self.inner.copy_batch(), self.events
+
+        class Copies:
+            def add(self, copy):  # type: ignore[no-untyped-def]
+                events.append(("copy", copy.nbytes))
+                return inner.add(copy)
+
+            def wait(self, index):  # type: ignore[no-untyped-def]
+                inner.wait(index)
+
+            def wait_all(self):  # type: ignore[no-untyped-def]
+                inner.wait_all()
+
+        return Copies()
 
     def hash_batch(self):  # type: ignore[no-untyped-def]
         inner, events = self.inner.hash_batch(), self.events
@@ -73,7 +90,7 @@ def test_groups_are_largest_first_and_of_similar_bytes(small_groups: None) -> No
     assert transitions.hash_groups([]) == []
 
 
-def test_unchanged_allocations_are_released_largest_first_while_later_groups_hash(
+def test_unchanged_allocations_are_released_largest_first_once_every_group_is_hashed(
     small_groups: None, mm: MemoryManager, backend: RecordingBackend
 ) -> None:
     tensors = [mm.empty((n * MiB,), torch.uint8, "weights") for n in (2, 8, 4, 6, 10)]
@@ -81,14 +98,43 @@ def test_unchanged_allocations_are_released_largest_first_while_later_groups_has
     mm.sleep(tags={"weights": "host"})
     mm.wake_up()
     backend.events.clear()
+    count = len(tensors)  # asleep tensors stay out of assertions: their repr would fault
     report = mm.sleep(tags={"weights": "host"})
     assert report.bytes_copied == 0 and report.bytes_skipped == 30 * MiB
     unmaps = [size for kind, size in backend.events if kind == "unmap"]
-    assert unmaps == sorted(unmaps, reverse=True)
+    assert unmaps == sorted(unmaps, reverse=True) and len(unmaps) == count
     kinds = [kind for kind, _ in backend.events]
-    results = [i for i, kind in enumerate(kinds) if kind == "hash result"]
-    assert len(results) > 1 and kinds.index("unmap") < results[1]  # before the next group's
-    assert kinds[: len(results)] == ["hash"] * len(results)  # all groups launched first
+    groups = kinds.count("hash")
+    assert groups > 1  # several groups, all launched, then all waited for, then the releases
+    assert kinds == ["hash"] * groups + ["hash result"] * groups + ["unmap"] * count
+    mm.wake_up()
+    assert all(same_bytes(t, e) for t, e in zip(tensors, expected, strict=True))
+
+
+def test_changed_sleep_starts_every_copy_before_any_release(
+    small_groups: None, mm: MemoryManager, backend: RecordingBackend
+) -> None:
+    tensors = [mm.empty((n * MiB,), torch.uint8, "weights") for n in (2, 8, 4, 6, 10)]
+    kv = mm.empty((16 * MiB,), torch.uint8, "kv_cache")
+    [random_fill(t, seed) for seed, t in enumerate(tensors)]
+    mm.sleep(tags={"weights": "host", "kv_cache": "discard"})
+    mm.wake_up()
+    for t in tensors[1:]:
+        t[7] ^= 1  # all but the 2 MiB one changed
+    expected = [t.clone() for t in tensors]
+    backend.events.clear()
+    report = mm.sleep(tags={"weights": "host", "kv_cache": "discard"})
+    assert report.bytes_copied == 28 * MiB and report.bytes_skipped == 2 * MiB
+    kinds = [kind for kind, _ in backend.events]
+    last_result = max(i for i, kind in enumerate(kinds) if kind == "hash result")
+    copies = [i for i, kind in enumerate(kinds) if kind == "copy"]
+    unmaps = [(i, size) for i, (kind, size) in enumerate(backend.events) if kind == "unmap"]
+    assert last_result < copies[0] and copies[-1] < unmaps[0][0]
+    copied = [size for kind, size in backend.events if kind == "copy"]
+    assert copied == sorted(copied, reverse=True) == [n * MiB for n in (10, 8, 6, 4)]
+    # the KV cache first, then the unchanged allocation, then each copied one once it landed
+    assert [size for _, size in unmaps] == [16 * MiB, 2 * MiB, *copied]
+    del kv
     mm.wake_up()
     assert all(same_bytes(t, e) for t, e in zip(tensors, expected, strict=True))
 
