@@ -210,8 +210,8 @@ class AsyncLLM:
         await self._call(self.engine.resume)
 
     async def reset_prefix_cache(self) -> bool:
-        """vLLM's name. dormant keeps no prefix cache across requests (and invalidates its KV
-        itself on a refit or a discard), so there is nothing stale to drop."""
+        """vLLM's name: drops the cached KV blocks between two steps. Never needed: the engine
+        drops them itself whenever a weight is written or KV memory is discarded."""
         reset = getattr(self.llm, "reset_prefix_cache", None)
         return True if reset is None else bool(await self._call(reset))
 

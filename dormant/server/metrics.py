@@ -1,8 +1,8 @@
 """Prometheus metrics (``prometheus-client``), served at ``/metrics``.
 
-Counters and histograms are recorded as things happen; the sleep state, bytes per tag and
-queue depth are read from the engine when Prometheus scrapes (``refresh``), so they are never
-a second copy of the engine's state.
+Counters and histograms are recorded as things happen; the sleep state, bytes per tag, queue
+depth and the prefix cache's statistics are read from the engine when Prometheus scrapes
+(``refresh``), so they are never a second copy of the engine's state.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class Metrics:
             "dormant_weight_version_info", "1 for the served weight version", ("version",)
         )
         self.requests_running = gauge("dormant_requests_running", "requests in the engine")
+        self.prefix_cache = gauge(
+            "dormant_prefix_cache", "the prefix cache: hit rate (of looked-up tokens), tokens "
+            "looked up and hit, blocks cached and evictable, evictions, resets", ("quantity",),
+        )  # fmt: skip
         self.requests_in_flight = gauge("dormant_http_requests_in_flight", "HTTP generations")
         self.durations = Histogram(
             "dormant_transition_seconds",
@@ -105,6 +109,15 @@ class Metrics:
                 if value is not None:
                     self.tag_bytes.labels(tag=tag.tag, location=location, **labels).set(value)
         self.requests_running.labels(**labels).set(num_requests)
+        cache = getattr(status, "prefix_cache", None)  # the engine's, beside rank 0's memory
+        if cache is not None and cache.is_enabled:
+            for quantity, value in (
+                ("hit_rate", cache.hit_rate), ("query_tokens", cache.num_query_tokens),
+                ("hit_tokens", cache.num_hit_tokens), ("cached_blocks", cache.num_cached_blocks),
+                ("evictable_blocks", cache.num_evictable_blocks),
+                ("evictions", cache.num_evictions), ("resets", cache.num_resets),
+            ):  # fmt: skip
+                self.prefix_cache.labels(quantity=quantity, **labels).set(value)
         self.weight_version.clear()
         self.weight_version.labels(version=version, **labels).set(1)
 
