@@ -88,7 +88,7 @@ class LLMEngine:
             config.max_model_len,
             num_decode_steps=config.cuda_graph_multi_steps if max_multi_step_seqs else 1,
             max_multi_step_seqs=max(max_multi_step_seqs, 1),
-            enable_chunked_prefill=bool(config.enable_chunked_prefill),
+            enable_chunked_prefill=config.enable_chunked_prefill is not False,  # None: on
         )
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, eos)

@@ -20,7 +20,7 @@ A step with chunked prefill, under ``max_num_batched_tokens``:
 Without chunked prefill a step prefills whole waiting sequences if any fits, else decodes.
 
 A row whose chunk ends before the sequence's last token samples nothing. A step of decodes
-alone, with nothing waiting, may run several greedy steps at once (``_num_decode_steps``).
+alone, with nothing waiting, may run several greedy steps at once (``StepPlanner``).
 Every row's full blocks are published to the prefix cache once the row is final in the step
 (``BlockManager.publish``), so a later row of the same step, such as another sample of the same
 prompt, hits them.
@@ -47,6 +47,7 @@ from dormant.engine import stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
+from dormant.engine.step_planner import StepPlanner
 from dormant.errors import EngineError
 
 
@@ -66,7 +67,6 @@ class DuplicateSequenceError(SchedulerError, ValueError):
 # whether the token itself stops the sequence) -> the stop string the text now ends with, or
 # None. The engine's output processor detokenizes there.
 TokenHook = Callable[[Sequence, int, bool], str | None]
-Row = tuple[Sequence, int]  # a sequence and how many positions it computes in the step
 
 
 class Scheduler:
@@ -85,6 +85,9 @@ class Scheduler:
         self._running: deque[Sequence] = deque()
         self._unfinished_by_id: dict[int, Sequence] = {}
         self._batch_in_flight: ScheduledBatch | None = None
+        self._planner = StepPlanner(
+            config, block_manager, self._waiting, self._running, self._preempt
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -130,7 +133,7 @@ class Scheduler:
                 f"max_model_len={config.max_model_len}) but the cache has only "
                 f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache"
             )
-        if not self._may_chunk(seq) and seq.num_tokens > config.max_num_batched_tokens:
+        if not self._planner.may_chunk(seq) and seq.num_tokens > config.max_num_batched_tokens:
             raise RequestTooLongError(
                 f"sequence {seq.seq_id} asks for prompt logprobs, which are computed in one "
                 f"step, but its {seq.num_tokens} prompt tokens exceed max_num_batched_tokens="
@@ -148,10 +151,11 @@ class Scheduler:
         """
         if self._batch_in_flight is not None:
             raise SchedulerError("the previous batch is still in flight; postprocess it first")
+        planner = self._planner
         if self.config.enable_chunked_prefill:
-            batch = self._schedule_mixed()
+            batch = planner.plan_mixed()
         else:
-            batch = self._schedule_prefill() or self._schedule_decode()
+            batch = planner.plan_prefill() or planner.plan_decode()
         if batch is None and self._unfinished_by_id:
             raise SchedulerError(
                 f"no sequence can be scheduled: {self.num_waiting} waiting, "
@@ -206,7 +210,7 @@ class Scheduler:
                 if self._apply_stops(seq, token_id, on_token):
                     finished.append(seq)
         if finished:
-            self._running = deque(seq for seq in self._running if not seq.is_finished)
+            _drop_finished(self._running)
         return finished
 
     def abort(self, seq_ids: Iterable[int] | None = None) -> list[Sequence]:
@@ -222,8 +226,8 @@ class Scheduler:
         for seq in targets:
             self._finish(seq, FinishReason.ABORT)
         if targets:
-            self._waiting = deque(seq for seq in self._waiting if not seq.is_finished)
-            self._running = deque(seq for seq in self._running if not seq.is_finished)
+            _drop_finished(self._waiting)
+            _drop_finished(self._running)
         return targets
 
     def preempt_all(self) -> None:
@@ -239,130 +243,6 @@ class Scheduler:
         self._batch_in_flight = None
         while self._running:
             self._preempt(self._running.pop())
-
-    # ── chunked prefill mixed with decodes ─────────────────────────────────────────────────────
-
-    def _schedule_mixed(self) -> ScheduledBatch | None:
-        budget = self.config.max_num_batched_tokens
-        rows, num_preempted = self._schedule_running(budget)
-        budget -= sum(num_new for _, num_new in rows)
-        if not num_preempted:
-            rows += self._schedule_waiting(budget, may_chunk=True)
-        if not rows:
-            return None
-        if all(_is_decode(seq, num_new) for seq, num_new in rows):
-            return self._decode_batch([seq for seq, _ in rows])
-        return ScheduledBatch.of(rows)
-
-    def _schedule_running(self, budget: int) -> tuple[list[Row], int]:
-        """Step 1 of a mixed step: the running sequences' rows, and how many were preempted."""
-        manager, running = self.block_manager, self._running
-        rows: list[Row] = []
-        num_decodes_left = sum(
-            1 for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
-        )
-        num_preempted, index = 0, 0
-        while index < len(running):
-            seq = running[index]
-            num_left = seq.num_tokens - seq.num_computed_tokens
-            if num_left == 1:
-                num_decodes_left -= 1
-            num_new = min(num_left, budget - num_decodes_left)
-            if num_new < 1:
-                index += 1
-                continue
-            while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
-                victim = running.pop()  # the newest; never one scheduled already
-                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
-                    num_decodes_left -= 1
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is seq:
-                    break
-            else:
-                manager.grow(seq, seq.num_computed_tokens + num_new)
-                rows.append((seq, num_new))
-                budget -= num_new
-                index += 1
-        for seq, num_new in rows:  # final now: no later preemption can take them back
-            manager.publish(seq, seq.num_computed_tokens + num_new)
-        return rows, num_preempted
-
-    def _schedule_waiting(self, budget: int, *, may_chunk: bool) -> list[Row]:
-        """Waiting sequences, in order, while ``budget`` tokens, blocks and ``max_num_seqs``
-        allow; each computes from its prefix-cache hits on, whole or (``may_chunk``) a chunk."""
-        manager, rows = self.block_manager, []
-        while self._waiting and len(self._running) < self.config.max_num_seqs and budget > 0:
-            seq = self._waiting[0]
-            cached = manager.cached_blocks(seq)
-            num_computed = len(cached) * manager.block_size
-            num_left = seq.num_tokens - num_computed
-            num_new = min(num_left, budget)
-            if num_new < num_left and not (may_chunk and self._may_chunk(seq)):
-                break
-            if not manager.can_allocate(seq, num_computed + num_new, cached):
-                break
-            manager.allocate(seq, num_computed + num_new, cached)
-            manager.publish(seq, num_computed + num_new)
-            seq.num_computed_tokens = num_computed
-            seq.status = SequenceStatus.RUNNING
-            self._running.append(self._waiting.popleft())
-            rows.append((seq, num_new))
-            budget -= num_new
-        return rows
-
-    def _may_chunk(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next prefill may be split: not a first prefill that returns
-        prompt logprobs (they are computed, and recorded, in one step)."""
-        return seq.params.prompt_logprobs is None or seq.num_output_tokens > 0
-
-    # ── whole prefills, or decodes ─────────────────────────────────────────────────────────────
-
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        rows = self._schedule_waiting(self.config.max_num_batched_tokens, may_chunk=False)
-        return ScheduledBatch.of(rows) if rows else None
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        scheduled: list[Sequence] = []
-        while self._running:
-            seq = self._running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self._running:
-                    self._preempt(self._running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                self.block_manager.append_block_if_needed(seq)
-                scheduled.append(seq)
-        self._running.extend(scheduled)
-        for seq in scheduled:
-            self.block_manager.publish(seq, seq.num_tokens)
-        return self._decode_batch(scheduled) if scheduled else None
-
-    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
-        return ScheduledBatch.of([(seq, 1) for seq in seqs], self._num_decode_steps(seqs))
-
-    def _num_decode_steps(self, seqs: list[Sequence]) -> int:
-        """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every
-        sequence is greedy and has that many tokens left to make, and the blocks of the extra
-        positions are free (they are taken here); else one step. A sequence that stops on a
-        token before the last step drops the tokens after it."""
-        num_steps, config = self.config.num_decode_steps, self.config
-        if num_steps == 1 or self._waiting or len(seqs) > config.max_multi_step_seqs:
-            return 1
-        for seq in seqs:
-            if not seq.params.is_greedy or seq.num_tokens + num_steps - 1 > config.max_model_len:
-                return 1
-            if stopping.max_tokens(seq, config.max_model_len) - seq.num_output_tokens < num_steps:
-                return 1
-        lookahead = num_steps - 1
-        missing = sum(self.block_manager.num_missing_blocks(seq, lookahead) for seq in seqs)
-        if missing > self.block_manager.num_free_blocks:
-            return 1
-        for seq in seqs:
-            self.block_manager.append_block_if_needed(seq, lookahead)
-        return num_steps
 
     # ── sequence transitions ───────────────────────────────────────────────────────────────────
 
@@ -395,6 +275,8 @@ class Scheduler:
         del self._unfinished_by_id[seq.seq_id]
 
 
-def _is_decode(seq: Sequence, num_new: int) -> bool:
-    """A row computing only the sequence's newest token (its KV before it is all there)."""
-    return num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+def _drop_finished(queue: deque[Sequence]) -> None:
+    """Removes finished sequences in place (the planner shares the deque)."""
+    kept = [seq for seq in queue if not seq.is_finished]
+    queue.clear()
+    queue.extend(kept)

@@ -72,6 +72,10 @@ def paged_attention_reference(
     even if they hold NaN. Precondition: ``num_tokens == query_start_loc[-1]`` (every token
     belongs to a sequence).
     """
+    if meta.max_query_len > 1:
+        mixed = _split_decode_rows(query, kv_cache, meta, scale, k_scale, v_scale)
+        if mixed is not None:
+            return mixed
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     num_seqs, max_num_blocks = meta.block_tables.shape
@@ -113,6 +117,48 @@ def paged_attention_reference(
     out = torch.einsum("skgql,slkd->sqkgd", probs, values)
     out = out.reshape(num_seqs, meta.max_query_len, num_heads, head_dim)
     return out[token_seq, token_index].to(query.dtype)
+
+
+def _split_decode_rows(
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: Tensor,
+    v_scale: Tensor,
+) -> Tensor | None:
+    """A mixed step (chunked prefill beside decodes) as two reference calls, its decode rows
+    and its other rows, so the decode rows are not padded to the longest chunk (the padded
+    scores would grow with rows x longest chunk). None when the rows are not mixed. Reads the
+    query lengths on the host: the reference is not for graphs."""
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    is_decode = query_lens == 1
+    num_decode = int(is_decode.sum())
+    if num_decode in (0, meta.num_seqs):
+        return None
+    token_seq = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=query.device),
+        query_lens.long(),
+        output_size=query.shape[0],
+    )
+    out = torch.empty_like(query)
+    for rows in (is_decode, ~is_decode):
+        lens = query_lens[rows]
+        starts = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=query.device)
+        starts[1:] = torch.cumsum(lens, 0)
+        tokens = rows[token_seq]
+        part = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[tokens],
+            block_tables=meta.block_tables[rows],
+            seq_lens=meta.seq_lens[rows],
+            query_start_loc=starts,
+            max_query_len=int(lens.max()),
+            max_seq_len=meta.max_seq_len,
+        )
+        out[tokens] = paged_attention_reference(
+            query[tokens], kv_cache, part, scale, k_scale, v_scale
+        )
+    return out
 
 
 class PagedAttention(nn.Module):

@@ -1,8 +1,10 @@
 """Runs one step of the model on this rank: inputs in, one sampled token per sequence out, with
 the logprobs asked for, computed on the device inside the step (DESIGN §3 invariant 11).
 
-Decode steps replay a captured CUDA graph when one fits (GPU, ``enforce_eager=False``); prefill
-and everything on the CPU run eagerly. Both paths read the same static input buffers. Every
+Decode steps replay a captured CUDA graph when one fits (GPU, ``enforce_eager=False``); prefill,
+mixed steps (prompt chunks beside decode rows: ``StepInput.is_prefill``) and everything on the
+CPU run eagerly. A row whose chunk ends before its sequence's last token samples too (rows are
+sampled alike); the driver drops that token. Both paths read the same static input buffers. Every
 step ends in one event-guarded device-to-host copy of its tokens and logprobs together
 (``HostCopy``); ``StepOutput`` is built from the host copy after its event.
 

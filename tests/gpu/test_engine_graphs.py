@@ -65,9 +65,7 @@ def multi_step_tokens(llm: LLM) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()  # the prefill: KV for every prompt, one token each
     running = [engine.scheduler._unfinished_by_id[i] for i in ids]
-    step = ScheduledBatch(tuple(running), False, len(running)).step_input(
-        engine.runtime.eos_token_ids
-    )
+    step = ScheduledBatch.of([(seq, 1) for seq in running]).step_input(engine.runtime.eos_token_ids)
     result = engine.executor.worker.execute_multi_step(step).seqs
     engine.abort_request(ids)
     return [

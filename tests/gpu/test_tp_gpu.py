@@ -30,9 +30,7 @@ def multi_step(llm: LLM) -> list[list[int]]:
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()
     running = [engine.scheduler._unfinished_by_id[i] for i in ids]
-    step = ScheduledBatch(tuple(running), False, len(running)).step_input(
-        engine.runtime.eos_token_ids
-    )
+    step = ScheduledBatch.of([(seq, 1) for seq in running]).step_input(engine.runtime.eos_token_ids)
     per_rank = engine.executor.run(Command.EXECUTE_MULTI_STEP, step)
     engine.abort_request(ids)
     assert per_rank[0] == per_rank[1]  # every rank sampled the same tokens

@@ -104,7 +104,9 @@ def test_step_input_sends_each_feature_only_to_the_requests_that_use_it() -> Non
     min_tokens = make_sequence(SamplingParams(min_tokens=3, stop_token_ids=[6, 2]), [1, 2])
     ignore_eos = make_sequence(SamplingParams(min_tokens=3, ignore_eos=True), [1])
     done = make_sequence(SamplingParams(min_tokens=2, stop_token_ids=[6]), [1, 2])
-    batch = ScheduledBatch((plain, presence, repetition, min_tokens, ignore_eos, done), False, 6)
+    batch = ScheduledBatch.of(
+        [(s, 1) for s in (plain, presence, repetition, min_tokens, ignore_eos, done)]
+    )
     seqs = batch.step_input(frozenset({5, 2})).seqs
     assert seqs[0].output_token_ids is None and seqs[0].prompt_token_ids is None
     assert seqs[0].masked_stop_token_ids == () and seqs[0].bad_words_token_ids == ()
@@ -122,7 +124,7 @@ def test_prompt_logprobs_are_asked_on_the_first_prefill_only() -> None:
     first.num_computed_tokens = 0
     recompute = make_sequence(params, [4])  # preempted after one output: prefill again
     recompute.num_computed_tokens = 0
-    seqs = ScheduledBatch((first, recompute), True, 7).step_input(frozenset()).seqs
+    seqs = ScheduledBatch.of([(first, 3), (recompute, 4)]).step_input(frozenset()).seqs
     assert [s.compute_prompt_logprobs for s in seqs] == [True, False]
     assert seqs[1].token_ids == (7, 8, 9, 4)
 

@@ -1,0 +1,162 @@
+"""How one step is composed from the scheduler's queues: the passes of a mixed step (chunked
+prefill beside decodes, vLLM V1) and of the split one (whole prefills, else decodes). The rules
+are the scheduler's module docstring; ``Scheduler`` owns the queues and the sequences' lifecycle,
+the planner only decides and takes blocks."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from dormant.engine import stopping
+from dormant.engine.batch import ScheduledBatch, SchedulerConfig
+from dormant.engine.block_manager import BlockManager
+from dormant.engine.sequence import Sequence, SequenceStatus
+
+Row = tuple[Sequence, int]  # a sequence and how many positions it computes in the step
+
+
+class StepPlanner:
+    """Plans steps over ``waiting`` and ``running`` (the scheduler's own deques, shared, not
+    copied). ``preempt`` is the scheduler's: it frees a running sequence's blocks and puts it at
+    the front of ``waiting``; the caller has removed it from ``running``."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        waiting: deque[Sequence],
+        running: deque[Sequence],
+        preempt: Callable[[Sequence], None],
+    ) -> None:
+        self.config, self.block_manager = config, block_manager
+        self.waiting, self.running, self.preempt = waiting, running, preempt
+
+    # ── chunked prefill mixed with decodes ─────────────────────────────────────────────────────
+
+    def plan_mixed(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        rows, num_preempted = self._schedule_running(budget)
+        budget -= sum(num_new for _, num_new in rows)
+        if not num_preempted:
+            rows += self._schedule_waiting(budget, may_chunk=True)
+        if not rows:
+            return None
+        if all(_is_decode(seq, num_new) for seq, num_new in rows):
+            return self._decode_batch([seq for seq, _ in rows])
+        return ScheduledBatch.of(rows)
+
+    def _schedule_running(self, budget: int) -> tuple[list[Row], int]:
+        """Step 1 of a mixed step: the running sequences' rows, and how many were preempted."""
+        manager, running = self.block_manager, self.running
+        rows: list[Row] = []
+        num_decodes_left = sum(
+            1 for seq in running if seq.num_tokens - seq.num_computed_tokens == 1
+        )
+        num_preempted, index = 0, 0
+        while index < len(running):
+            seq = running[index]
+            num_left = seq.num_tokens - seq.num_computed_tokens
+            if num_left == 1:
+                num_decodes_left -= 1
+            num_new = min(num_left, budget - num_decodes_left)
+            if num_new < 1:
+                index += 1
+                continue
+            while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
+                victim = running.pop()  # the newest; never one scheduled already
+                if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
+                    num_decodes_left -= 1
+                self.preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                manager.grow(seq, seq.num_computed_tokens + num_new)
+                rows.append((seq, num_new))
+                budget -= num_new
+                index += 1
+        for seq, num_new in rows:  # final now: no later preemption can take them back
+            manager.publish(seq, seq.num_computed_tokens + num_new)
+        return rows, num_preempted
+
+    def _schedule_waiting(self, budget: int, *, may_chunk: bool) -> list[Row]:
+        """Waiting sequences, in order, while ``budget`` tokens, blocks and ``max_num_seqs``
+        allow; each computes from its prefix-cache hits on, whole or (``may_chunk``) a chunk."""
+        manager, rows = self.block_manager, []
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            cached = manager.cached_blocks(seq)
+            num_computed = len(cached) * manager.block_size
+            num_left = seq.num_tokens - num_computed
+            num_new = min(num_left, budget)
+            if num_new < num_left and not (may_chunk and self.may_chunk(seq)):
+                break
+            if not manager.can_allocate(seq, num_computed + num_new, cached):
+                break
+            manager.allocate(seq, num_computed + num_new, cached)
+            manager.publish(seq, num_computed + num_new)
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            rows.append((seq, num_new))
+            budget -= num_new
+        return rows
+
+    def may_chunk(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next prefill may be split: not a first prefill that returns
+        prompt logprobs (they are computed, and recorded, in one step)."""
+        return seq.params.prompt_logprobs is None or seq.num_output_tokens > 0
+
+    # ── whole prefills, or decodes ─────────────────────────────────────────────────────────────
+
+    def plan_prefill(self) -> ScheduledBatch | None:
+        rows = self._schedule_waiting(self.config.max_num_batched_tokens, may_chunk=False)
+        return ScheduledBatch.of(rows) if rows else None
+
+    def plan_decode(self) -> ScheduledBatch | None:
+        scheduled: list[Sequence] = []
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.append_block_if_needed(seq)
+                scheduled.append(seq)
+        self.running.extend(scheduled)
+        for seq in scheduled:
+            self.block_manager.publish(seq, seq.num_tokens)
+        return self._decode_batch(scheduled) if scheduled else None
+
+    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
+        return ScheduledBatch.of([(seq, 1) for seq in seqs], self._num_decode_steps(seqs))
+
+    def _num_decode_steps(self, seqs: list[Sequence]) -> int:
+        """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every
+        sequence is greedy and has that many tokens left to make, and the blocks of the extra
+        positions are free (they are taken here); else one step. A sequence that stops on a
+        token before the last step drops the tokens after it."""
+        num_steps, config = self.config.num_decode_steps, self.config
+        if num_steps == 1 or self.waiting or len(seqs) > config.max_multi_step_seqs:
+            return 1
+        for seq in seqs:
+            if not seq.params.is_greedy or seq.num_tokens + num_steps - 1 > config.max_model_len:
+                return 1
+            if stopping.max_tokens(seq, config.max_model_len) - seq.num_output_tokens < num_steps:
+                return 1
+        lookahead = num_steps - 1
+        missing = sum(self.block_manager.num_missing_blocks(seq, lookahead) for seq in seqs)
+        if missing > self.block_manager.num_free_blocks:
+            return 1
+        for seq in seqs:
+            self.block_manager.append_block_if_needed(seq, lookahead)
+        return num_steps
+
+
+def _is_decode(seq: Sequence, num_new: int) -> bool:
+    """A row computing only the sequence's newest token (its KV before it is all there)."""
+    return num_new == 1 and seq.num_computed_tokens == seq.num_tokens - 1
