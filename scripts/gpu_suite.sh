@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite: the GPU tests and the benchmarks, in one command, on a CUDA machine.
 #
-#   scripts/gpu_suite.sh [tests|bench|demo|memory|all] [test paths or pytest args...]
-#   (default: all; "memory" runs the memory layer's probes of issue 17, not part of "all")
+#   scripts/gpu_suite.sh [tests|bench|demo|memory|rollout|all] [test paths or pytest args...]
+#   (default: all; "memory" runs the memory layer's probes of issue 17, not part of "all";
+#   "rollout" runs benchmarks/rollout.py, issue 16's GRPO-shaped rollout, < 8 min, nor that)
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
 # (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
@@ -41,6 +42,10 @@ if [[ $stage == demo || $stage == all ]]; then
 fi
 if [[ $stage == bench || $stage == all ]]; then
   python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  status=$((status | PIPESTATUS[0]))
+fi
+if [[ $stage == rollout ]]; then
+  python3 benchmarks/rollout.py "$@" --out "$OUT/rollout.jsonl" 2>&1 | tee "$OUT/rollout.log"
   status=$((status | PIPESTATUS[0]))
 fi
 if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~10 minutes

@@ -1,0 +1,330 @@
+"""GRPO-shaped rollout throughput on one GPU: prefix caching off/on x chunked prefill off/on,
+decode steps against the HBM roofline, and full RL cycles.
+
+Workload (the default): a Qwen3-8B-shaped model with random bf16 weights; 64 prompts of 512
+random tokens, ``n=8``, 512 output tokens each, ``temperature=1.0``, ``logprobs=0``,
+``ignore_eos`` (512 sequences, 262,144 generated tokens per generate). ``--quick`` runs 16
+prompts of 256 tokens with 128 output tokens.
+
+Reported per variant (one JSON line each, then a table):
+- generated tokens/s over the whole ``generate``;
+- prefill tokens computed and prefill tokens/s (over the steps that computed any prompt
+  position; a mixed step counts whole), and the cut in prefill work against caching off;
+- prefix-cache hit rate (tokens found cached / tokens looked up);
+- decode-only steps against the roofline at the batch sizes reached: (weight bytes + the KV
+  bytes the step reads) / the measured device-copy bandwidth (bytes read + written per second
+  of a large device-to-device copy), by batch-size bucket.
+
+The four variants run on one engine (same weights, same graphs, same KV cache): only the
+scheduler and block manager are rebuilt with the variant's options between them.
+
+Then ``--cycles`` RL iterations with both features on: generate -> sleep(2) -> a stand-in
+trainer step (it takes most of the freed memory and multiplies matrices in it) ->
+wake_up(["weights"]) -> update_weights (new random weights, from the "trainer") ->
+wake_up(["kv_cache"]) -> generate the same prompts again. Throughput after a cycle should equal
+throughput before it, and the hit rate must drop to the prompts' own n-sharing: the engine
+invalidated the cache itself (no reset_prefix_cache call anywhere in this file).
+
+Usage: python benchmarks/rollout.py [--quick] [--cycles 1] [--out rollout.jsonl]
+(``--smoke`` runs a tiny model on whatever device there is, to check the script: no numbers.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Recorder, environment, table
+from benchmarks.decode import QWEN3_8B_LIKE, device_copy_bandwidth
+from dormant import LLM, SamplingParams
+from dormant.engine.block_manager import BlockManager
+from dormant.engine.scheduler import Scheduler
+from dormant.models import ModelConfig
+
+SMOKE_MODEL = {
+    **QWEN3_8B_LIKE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "eos_token_id": 511,
+}  # fmt: skip
+BUCKETS = (1, 8, 32, 64, 128, 256, 512)  # decode steps are grouped by the bucket they reach
+
+
+class Step(NamedTuple):
+    is_prefill: bool  # some row computed prompt positions (run eagerly, not from a graph)
+    num_seqs: int
+    num_prefill_tokens: int
+    kv_tokens: int  # positions whose KV the step's attention reads
+    seconds: float
+
+
+class StepLog:
+    """Times every worker step of the engine, with what the scheduler put in it."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.llm_engine
+        self.batches: list[Any] = []
+        self.steps: list[Step] = []
+        executor = self.engine.executor
+        execute = executor.execute
+
+        def timed(step):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            output = execute(step)  # ends with the sampled tokens on the host: a whole step
+            seconds = time.perf_counter() - start
+            batch = self.batches[-1]
+            kv_tokens = sum(s.start_position + len(s.token_ids) for s in step.seqs)
+            self.steps.append(Step(batch.is_prefill, batch.num_seqs, batch.num_prefill_tokens,
+                                   kv_tokens, seconds))  # fmt: skip
+            return output
+
+        executor.execute = timed  # type: ignore[method-assign]
+        self.attach(self.engine.scheduler)
+
+    def attach(self, scheduler: Scheduler) -> None:
+        """Records every batch ``scheduler`` hands out (call again for a new scheduler)."""
+        schedule = scheduler.schedule
+
+        def recorded():  # type: ignore[no-untyped-def]
+            batch = schedule()
+            if batch is not None:
+                self.batches.append(batch)
+            return batch
+
+        scheduler.schedule = recorded  # type: ignore[method-assign]
+
+    def clear(self) -> None:
+        self.batches.clear()
+        self.steps.clear()
+
+
+def variant(llm: LLM, log: StepLog, prefix_caching: bool, chunked: bool) -> None:
+    """Rebuilds the engine's scheduler and block manager (empty, so the prefix cache is cold)
+    with these options; the model, its graphs and the KV cache stay."""
+    engine = llm.llm_engine
+    old = engine.scheduler
+    assert not old.has_unfinished
+    config = replace(old.config, enable_chunked_prefill=chunked)
+    manager = old.block_manager
+    blocks = BlockManager(manager.num_blocks, manager.block_size, prefix_caching)
+    engine.scheduler = Scheduler(config, blocks, old.eos_token_ids)
+    log.attach(engine.scheduler)
+
+
+def prompts(num_prompts: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab - 10, (num_prompts, prompt_len), generator=generator)
+    return ids.tolist()
+
+
+def generate(llm: LLM, batch: list[list[int]], params: SamplingParams, log: StepLog) -> dict:
+    """One generate, measured: throughput, prefill work, hit rate, decode steps vs roofline."""
+    log.clear()
+    before = llm.memory_status()[0].prefix_cache
+    sync(llm.llm_engine.executor.worker.device)
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.memory_status()[0].prefix_cache
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    prefill = [s for s in log.steps if s.is_prefill]
+    prefill_tokens = sum(s.num_prefill_tokens for s in prefill)
+    prefill_s = sum(s.seconds for s in prefill)
+    queries = after.num_query_tokens - before.num_query_tokens
+    hits = after.num_hit_tokens - before.num_hit_tokens
+    return {
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / seconds,
+        "prefill_tokens": prefill_tokens,
+        "prefill_step_s": prefill_s,
+        "prefill_tokens_per_s": prefill_tokens / prefill_s if prefill_s else 0.0,
+        "num_steps": len(log.steps),
+        "num_mixed_or_prefill_steps": len(prefill),
+        "hit_rate": hits / queries if queries else 0.0,
+        "num_cached_tokens_first": outputs[0].num_cached_tokens,
+        "decode": [s for s in log.steps if not s.is_prefill],
+    }
+
+
+def roofline_rows(
+    decode: list[Step], weight_bytes: int, kv_per_token: int, bandwidth: float
+) -> Iterator[dict[str, Any]]:
+    """Decode-only steps by batch-size bucket: median step time against its roofline."""
+    by_bucket: dict[int, list[Step]] = defaultdict(list)
+    for step in decode:
+        bucket = next((b for b in BUCKETS if step.num_seqs <= b), BUCKETS[-1])
+        by_bucket[bucket].append(step)
+    for bucket, steps in sorted(by_bucket.items()):
+        times = [s.seconds for s in steps]
+        limits = [(weight_bytes + s.kv_tokens * kv_per_token) / bandwidth for s in steps]
+        ratios = sorted(t / lim for t, lim in zip(times, limits, strict=True))
+        yield {
+            "batch_bucket": bucket,
+            "num_steps": len(steps),
+            "median_batch": statistics.median(s.num_seqs for s in steps),
+            "step_s": statistics.median(times),
+            "roofline_s": statistics.median(limits),
+            "x_roofline": statistics.median(ratios),
+            "x_roofline_p90": ratios[int(0.9 * (len(ratios) - 1))],
+        }
+
+
+def own_sharing_hit_rate(n: int, prompt_len: int, block_size: int) -> float:
+    """The hit rate of a prompt seen for the first time: its first sample misses, the other
+    ``n - 1`` hit the full blocks before the block of the last prompt token."""
+    return (n - 1) * ((prompt_len - 1) // block_size) * block_size / (n * prompt_len)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def trainer_step(device: torch.device, fraction: float = 0.6) -> dict[str, Any]:
+    """The trainer's turn: takes ``fraction`` of the free memory and multiplies in it."""
+    on_gpu = device.type == "cuda"
+    free = torch.cuda.mem_get_info(device)[0] if on_gpu else 256 << 20
+    start = time.perf_counter()
+    held = torch.empty(int(free * fraction), dtype=torch.uint8, device=device)
+    held.fill_(1)
+    size = 8192 if on_gpu else 256
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(20):
+        a = torch.tanh(a @ a)
+    sync(device)
+    taken = held.numel()
+    del held, a
+    if on_gpu:
+        torch.cuda.empty_cache()
+    seconds = time.perf_counter() - start
+    return {"free_before_trainer": free, "trainer_took": taken, "trainer_s": seconds}
+
+
+def new_weights(llm: LLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the trainer sends: every checkpoint tensor, fresh, on the GPU, one at a time."""
+    worker = llm.llm_engine.executor.worker
+    device = worker.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in worker.model.expected_weight_shapes().items():
+        if "norm" in name:
+            yield name, torch.ones(shape, dtype=torch.bfloat16, device=device)
+        else:
+            values = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
+            yield name, values.mul_(0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 256, 128 out")
+    parser.add_argument("--cycles", type=int, default=1, help="RL iterations (default 1)")
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    num_prompts, prompt_len, out_len = (16, 256, 128) if args.quick else (64, 512, 512)
+    shape, options = QWEN3_8B_LIKE, {"gpu_memory_utilization": 0.9}
+    if args.smoke:
+        num_prompts, prompt_len, out_len = 3, 24, 6
+        shape, options = SMOKE_MODEL, {"kv_cache_memory_bytes": 64 << 20}
+    n = 8
+    started = time.perf_counter()
+    rec = Recorder(args.out)
+    on_gpu = torch.cuda.is_available()
+    rec.emit(case="environment", quick=args.quick, **(environment() if on_gpu else {}))
+    bandwidth = device_copy_bandwidth() if on_gpu else 1e10  # smoke runs: a stand-in
+    start = time.perf_counter()
+    max_seqs = num_prompts * n
+    llm = LLM(
+        ModelConfig.from_dict(shape), max_model_len=prompt_len + out_len, max_num_seqs=max_seqs,
+        max_num_batched_tokens=8192, cuda_graph_multi_steps=1, enable_sleep_mode=True,
+        **options,
+    )  # fmt: skip
+    worker = llm.llm_engine.executor.worker
+    model_config = llm.llm_engine.config.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    kv_per_token = (
+        2 * model_config.num_hidden_layers * model_config.num_key_value_heads
+        * model_config.head_dim * llm.llm_engine.config.cache_dtype.itemsize
+    )  # fmt: skip
+    rec.emit(
+        case="setup", load_and_capture_s=time.perf_counter() - start, weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_per_token, d2d_bytes_per_s=bandwidth,
+        num_kv_blocks=llm.llm_engine.runtime.num_kv_blocks, max_num_seqs=max_seqs,
+    )  # fmt: skip
+    log = StepLog(llm)
+    params = SamplingParams(
+        n=n, temperature=1.0, max_tokens=out_len, logprobs=0, ignore_eos=True, seed=0
+    )
+    vocab, block_size = model_config.vocab_size, llm.llm_engine.config.block_size
+    warm = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts(4, prompt_len, vocab, seed=99), warm, use_tqdm=False)
+
+    rows, summary = [], {}
+    batch = prompts(num_prompts, prompt_len, vocab, seed=0)
+    for caching in (False, True):
+        for chunked in (False, True):
+            variant(llm, log, caching, chunked)
+            result = generate(llm, batch, params, log)
+            name = f"caching {'on' if caching else 'off'}, chunked {'on' if chunked else 'off'}"
+            summary[(caching, chunked)] = result
+            decode = list(
+                roofline_rows(result.pop("decode"), weight_bytes, kv_per_token, bandwidth)
+            )
+            large = [row["x_roofline"] for row in decode if row["batch_bucket"] >= 64]
+            rows.append(rec.emit(
+                case="rollout", variant=name, **result,
+                x_roofline_b64_plus=max(large) if large else None,  # the worst bucket >= 64
+            ))  # fmt: skip
+            for row in decode:
+                rec.emit(case="decode_vs_roofline", variant=name, **row)
+    for chunked in (False, True):
+        off, on = summary[(False, chunked)], summary[(True, chunked)]
+        cut = 1 - on["prefill_tokens"] / off["prefill_tokens"]
+        rows.append(rec.emit(case="prefill_cut", chunked=chunked, cut=cut, target=1 - 1 / n))
+
+    variant(llm, log, True, True)  # the engine's defaults
+    for cycle in range(args.cycles):  # fresh prompts each iteration, as an RL loop has
+        batch = prompts(num_prompts, prompt_len, vocab, seed=1 + cycle)
+        before = generate(llm, batch, params, log)
+        t0 = time.perf_counter()
+        llm.sleep(level=2)
+        sleep_s = time.perf_counter() - t0
+        trainer = trainer_step(worker.device)
+        t0 = time.perf_counter()
+        llm.wake_up(["weights"])
+        llm.update_weights(new_weights(llm, seed=1000 + cycle))
+        assert llm.wake_up(["kv_cache"])
+        refit_s = time.perf_counter() - t0
+        # The same prompts again: every block of theirs was cached, and must not be hit now.
+        after = generate(llm, batch, params, log)
+        rows.append(rec.emit(
+            case="rl_cycle", cycle=cycle, sleep_s=sleep_s, wake_and_refit_s=refit_s, **trainer,
+            tokens_per_s_before=before["generated_tokens_per_s"],
+            tokens_per_s_after=after["generated_tokens_per_s"],
+            x_after_over_before=after["generated_tokens_per_s"] / before["generated_tokens_per_s"],
+            hit_rate_before=before["hit_rate"], hit_rate_after=after["hit_rate"],
+            own_sharing_hit_rate=own_sharing_hit_rate(n, prompt_len, block_size),
+        ))  # fmt: skip
+    print(llm.memory_status()[0].table())
+    llm.shutdown()
+    rec.emit(case="total", seconds=time.perf_counter() - started)
+    columns = [
+        "case", "variant", "generated_tokens_per_s", "prefill_tokens", "prefill_tokens_per_s",
+        "hit_rate", "x_roofline_b64_plus", "cut", "cycle", "x_after_over_before", "hit_rate_before",
+        "hit_rate_after",
+    ]  # fmt: skip
+    print(table(rows, columns))
+
+
+if __name__ == "__main__":
+    main()
