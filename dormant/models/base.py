@@ -152,6 +152,8 @@ class CausalLM(nn.Module, ABC):
     def init_random_weights(self, seed: int) -> None:
         """Deterministic in-place init: N(0, 0.02) matrices/embeddings, ones for norm
         weights, zeros for biases; identical across TP sizes. Writes every weight."""
+        if self.weight_observer is not None:
+            self.weight_observer.before_write()
         weight_io.init_random_weights(self.weight_table(), seed)
         if self.weight_observer is not None:
             self.weight_observer.written(self.expected_weight_shapes())
