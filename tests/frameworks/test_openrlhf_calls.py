@@ -46,11 +46,9 @@ nothing.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from copy import deepcopy
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -242,26 +240,6 @@ def _ipc_trainer(checkpoint: Path, conn: Connection) -> None:
         calls.append((name, param.dtype, param.shape, ipc_handles))
     conn.send(calls)
     conn.recv()
-
-
-@pytest.fixture
-def spawn() -> Iterator[Any]:
-    """Starts trainer processes (spawned, as Ray's are fresh); kills any left at the end."""
-    context = mp.get_context("spawn")
-    started: list[Any] = []
-
-    def start(target: Any, *args: Any) -> Connection:
-        parent, child = context.Pipe()
-        process = context.Process(target=target, args=(*args, child), daemon=True)
-        process.start()
-        started.append(process)
-        return parent
-
-    yield start
-    for process in started:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
 
 
 async def broadcast_to_vllm(llm: AsyncLLMEngine, trainer: Connection, checkpoint: Path) -> None:

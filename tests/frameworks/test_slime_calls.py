@@ -47,8 +47,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import multiprocessing as mp
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -343,26 +341,6 @@ def _tensor_trainer(device: str, checkpoint: Path, num_chunks: int, conn: Connec
     long_lived = [flattened_bucket(named[i : i + size]) for i in range(0, len(named), size)]
     conn.send([[serialize(data)] for data in long_lived])  # one entry per TP rank, per chunk
     conn.recv()
-
-
-@pytest.fixture
-def spawn() -> Iterator[Any]:
-    """Starts trainer processes (spawned, as Ray's are fresh); kills any left at the end."""
-    context = mp.get_context("spawn")
-    started: list[Any] = []
-
-    def start(target: Any, *args: Any) -> Connection:
-        parent, child = context.Pipe()
-        process = context.Process(target=target, args=(*args, child), daemon=True)
-        process.start()
-        started.append(process)
-        return parent
-
-    yield start
-    for process in started:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
 
 
 def assert_fully_awake(server: Server, slime: SlimeEngine) -> None:
