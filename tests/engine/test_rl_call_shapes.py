@@ -40,6 +40,23 @@ def test_a_write_through_the_model_object_while_asleep_is_refused(
     assert worker_of(llm).sleep_state().stale_weights == frozenset()
 
 
+def test_a_random_init_through_the_model_object_while_asleep_is_refused(
+    make_llm, checkpoint
+) -> None:
+    """``model.init_random_weights(seed)`` (what ``load_format="dummy"`` runs) into weights
+    discarded by ``sleep(2)``: a typed error and nothing changes, as for ``load_weights``."""
+    llm = make_llm(str(checkpoint), enable_sleep_mode=True)
+    llm.sleep(level=2)
+    before = worker_of(llm).sleep_state()
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        model.init_random_weights(3)
+    assert worker_of(llm).sleep_state() == before
+    llm.wake_up(["weights"])
+    model.init_random_weights(3)  # awake: every weight written
+    assert worker_of(llm).sleep_state().stale_weights == frozenset()
+
+
 @pytest.fixture
 def async_engine(checkpoint) -> Iterator[AsyncLLM]:
     engine = AsyncLLM(str(checkpoint), enable_sleep_mode=True, **OPTIONS)
