@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import dormant
 
@@ -16,16 +19,35 @@ dormant.install_as_vllm()  # the two lines a TRL user adds, before trl is import
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer, Qwen3ForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from dormant.models import build_model  # noqa: E402
 from tests.engine.conftest import (  # noqa: E402
     hf_config,
-    hf_state_dict,
     write_checkpoint,
     write_tokenizer,
 )
+
+# The bf16 run's model (issue 15: "a slightly larger model" than CI's): about 30M parameters.
+GPU_MODEL = dict(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=64, initializer_range=0.02,
+)  # fmt: skip
+
+
+def timed(timings: dict[str, list[float]], name: str, function: Callable[..., Any]) -> Callable:
+    """``function``, recording the wall time of each call (device work included) under name."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timings.setdefault(name, []).append(round(time.perf_counter() - start, 5))
+        return result
+
+    return wrapper
 
 
 def length_reward(completions: list[str], **_: object) -> list[float]:
@@ -35,9 +57,12 @@ def length_reward(completions: list[str], **_: object) -> list[float]:
 def main(workdir: Path, on_gpu: bool) -> None:
     """On the CPU in fp32 (CI), or with ``--gpu`` on one GPU in bf16."""
     path = write_checkpoint(workdir / "ckpt", seed=1)
-    if on_gpu:  # a bf16 checkpoint: vLLM's (and dormant's) dtype "auto" follows config.json
-        hf_config(torch_dtype="bfloat16").save_pretrained(path)
-        state = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(1).items()}
+    if on_gpu:  # a larger bf16 checkpoint: vLLM's (and dormant's) dtype "auto" follows it
+        config = hf_config(torch_dtype="bfloat16", **GPU_MODEL)
+        config.save_pretrained(path)
+        torch.manual_seed(1)
+        policy = Qwen3ForCausalLM(config)
+        state = {k: v.to(torch.bfloat16).contiguous() for k, v in policy.state_dict().items()}
         save_file(state, str(path / "model.safetensors"))
     write_tokenizer(path)
     prompts = ["ab cd", "hello there", "xy", "the cat sat", "on the mat", "a b c", "zz", "qq"]
@@ -52,9 +77,13 @@ def main(workdir: Path, on_gpu: bool) -> None:
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=AutoTokenizer.from_pretrained(str(path)),
     )  # fmt: skip
+    generation = trainer.vllm_generation
+    timings: dict[str, list[float]] = {}
+    for name in ("sleep", "wake_up"):
+        setattr(generation.llm, name, timed(timings, name, getattr(generation.llm, name)))
+    generation.sync_weights = timed(timings, "sync_weights", generation.sync_weights)
     trainer.train()
     steps = [row for row in trainer.state.log_history if "loss" in row]
-    generation = trainer.vllm_generation
     generation.sync_weights()  # TRL's own weight sync, then compare the engine's weights
     engine_model = generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
     # The policy's HF-named tensors, written into a fresh model of the engine's layout (fused
@@ -80,6 +109,8 @@ def main(workdir: Path, on_gpu: bool) -> None:
                 "max_weight_delta": max_delta,
                 "weights_compared": len(engine_state),
                 "is_sleeping_after_sync": generation.llm.is_sleeping(),
+                "timings_s": timings,
+                "num_parameters": sum(p.numel() for p in trainer.model.parameters()),
                 "torch": torch.__version__,
             }
         )
