@@ -159,6 +159,21 @@ def sample_and_process(
     return torch.where(t.is_greedy, greedy_tokens, random_tokens.reshape(-1)), processed
 
 
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits ``sample`` draws a row's token from (float32 [n, V], vocabulary order):
+    divided by the temperature, tokens outside min-p, top-k and top-p at -inf. Greedy rows'
+    are their logits, unchanged. Their softmax is the distribution ``sample`` samples from
+    (speculative verification needs it as probabilities). ``logits`` is not modified."""
+    if t.is_all_greedy:
+        return logits
+    scaled = logits / t.temperatures[:, None]
+    if not t.is_any_filtered:
+        return scaled
+    scaled, vocab_ids = scaled.sort(dim=-1, descending=True, stable=True)
+    scaled = scaled.masked_fill(~_filter_mask(scaled, t), float("-inf"))
+    return scaled.scatter(-1, vocab_ids, scaled)
+
+
 def _filter_mask(sorted_logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Which entries of each descending row to keep: those within ``min_p`` of the most likely
     one and in the top-k, then the top-p of those (vLLM applies min-p, top-k, top-p in turn).
@@ -187,17 +202,31 @@ def exponential_noise(
     strictly positive. Per element this costs one table lookup, a keyed xor-add and one
     32-bit mix: the hash of each vocabulary id is shared by all rows.
     """
+    return uniform_noise(keys, vocab_size, vocab_ids).log_().neg_()
+
+
+def uniform_noise(
+    keys: torch.Tensor, vocab_size: int, vocab_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Uniform noise strictly inside (0, 1), float32 [n, V], indexed as ``exponential_noise``
+    (which is ``-log`` of it): multiples of 2**-23 plus 2**-24, each exact in float32."""
     id_hashes = _mix32(torch.arange(vocab_size, device=keys.device))
     id_hashes = id_hashes[None, :] if vocab_ids is None else id_hashes[vocab_ids]
     bits = (id_hashes ^ keys[0, :, None]).add_(keys[1, :, None]).bitwise_and_(_MASK_32)
     bits = _mix32(bits).bitwise_right_shift_(32 - _NUM_UNIFORM_BITS)
-    uniform = bits.to(torch.float32).add_(0.5).mul_(2.0**-_NUM_UNIFORM_BITS)
-    return uniform.log_().neg_()
+    return bits.to(torch.float32).add_(0.5).mul_(2.0**-_NUM_UNIFORM_BITS)
 
 
-def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Two 32-bit keys per row (int64 [2, n]), each hashing all 128 bits of ``(seed, step)``."""
-    keys = torch.stack([torch.full_like(seeds, salt) for salt in _KEY_SALTS])
+def noise_keys(
+    seeds: torch.Tensor, steps: torch.Tensor, salts: tuple[int, int] = _KEY_SALTS
+) -> torch.Tensor:
+    """Two 32-bit keys per row (int64 [2, n]), each hashing all 128 bits of ``(seed, step)``.
+
+    ``salts`` (two 32-bit words) select an independent family of keys: the sampler's are the
+    default; other users of the noise (speculative decoding) pass their own, so their draws
+    are independent of the sampler's at the same ``(seed, step)``.
+    """
+    keys = torch.stack([torch.full_like(seeds, salt) for salt in salts])
     for value in (seeds, steps):
         keys = _mix32(keys ^ (value & _MASK_32))
         keys = _mix32(keys ^ ((value >> 32) & _MASK_32))
