@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_grpo(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     """The run's JSON report (``trl_grpo_run.py`` in its own interpreter)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     result = subprocess.run(
         [sys.executable, str(REPO / "tests/frameworks/trl_grpo_run.py"), str(tmp_path), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
