@@ -14,9 +14,11 @@ from dormant.layers.rotary import Llama3RopeScaling
 from dormant.models.errors import UnsupportedModelError
 from dormant.models.moe_config import MOE_ARCHITECTURES, MoeConfig
 
+# Qwen2's decoder: q/k/v biases always. MiMo is Qwen2 with MTP layers (``models/mtp.py``).
+QWEN2_ARCHITECTURES = ("Qwen2ForCausalLM", "MiMoForCausalLM")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
+    *QWEN2_ARCHITECTURES,
     "Qwen3ForCausalLM",
     *MOE_ARCHITECTURES,
 )
@@ -38,7 +40,8 @@ class ModelConfig:
     ``attention_bias`` means a bias on the q/k/v projections (and on o_proj for Llama and
     Qwen3; Qwen2 has q/k/v biases only and always sets it). ``moe`` is set exactly for the
     mixture-of-experts architectures (``MOE_ARCHITECTURES``); their dense layers, if any, use
-    ``intermediate_size``.
+    ``intermediate_size``. ``num_nextn_predict_layers`` is the checkpoint's count of multi-token
+    prediction layers (HF's key; 0 without); ``models/mtp.py`` says which layouts it builds.
     """
 
     architecture: str
@@ -60,6 +63,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -84,6 +88,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(
+                f"config num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}"
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
@@ -127,13 +135,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM"
+            attention_bias=architecture in QWEN2_ARCHITECTURES
             or bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype") or "bfloat16"),
             eos_token_ids=eos_token_ids,
             bos_token_id=d.get("bos_token_id"),
             moe=MoeConfig.from_dict(d) if architecture in MOE_ARCHITECTURES else None,
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
         )
 
     @classmethod

@@ -9,6 +9,7 @@ from dormant.models.base import CausalLM
 from dormant.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from dormant.models.errors import UnsupportedModelError
 from dormant.models.llama import LlamaForCausalLM
+from dormant.models.mimo import MiMoForCausalLM
 from dormant.models.qwen2 import Qwen2ForCausalLM
 from dormant.models.qwen3 import Qwen3ForCausalLM
 from dormant.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -17,6 +18,7 @@ MODEL_REGISTRY: Mapping[str, type[CausalLM]] = MappingProxyType(
     {
         "LlamaForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "MiMoForCausalLM": MiMoForCausalLM,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
