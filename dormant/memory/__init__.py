@@ -17,12 +17,14 @@ from dormant.memory.errors import (
     StrictModeError,
     TagAsleepError,
     TransitionFailedError,
+    UnknownDiscardOrderError,
     UnknownPolicyError,
     UnknownTagError,
     WakeFailedError,
     WakeOutOfMemoryError,
 )
 from dormant.memory.manager import MemoryManager
+from dormant.memory.offload import DiscardOrder
 from dormant.memory.policy import (
     BUILTIN_TAGS,
     CUDA_GRAPH,
@@ -70,6 +72,7 @@ __all__ = [
     "ContextReleaseError",
     "ContextReleasedError",
     "ContextReport",
+    "DiscardOrder",
     "DriverError",
     "HostArenaError",
     "ManagerClosedError",
@@ -92,6 +95,7 @@ __all__ = [
     "TagState",
     "TagStatus",
     "TransitionFailedError",
+    "UnknownDiscardOrderError",
     "UnknownPolicyError",
     "UnknownTagError",
     "WakeFailedError",

@@ -228,5 +228,9 @@ class _CudaCopies:
             self._is_synced[group] = True
 
     def wait_all(self) -> None:
-        for stream in self._streams:
+        """Synchronizes the streams this batch used: none for a batch with no copy, so a sleep
+        or wake that only releases or maps makes no call here."""
+        has_open_group = bool(self._group_of) and self._group_of[-1] == self._num_closed
+        num_groups = self._num_closed + has_open_group
+        for stream in self._streams[: min(num_groups, len(self._streams))]:
             call("cuStreamSynchronize", stream)

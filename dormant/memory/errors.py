@@ -27,6 +27,10 @@ class UnknownPolicyError(MemoryLayerError, ValueError):
     """A policy that is not one of KEEP, HOST, DISCARD."""
 
 
+class UnknownDiscardOrderError(MemoryLayerError, ValueError):
+    """A discard order that is not one of ``DiscardOrder``'s (offload.py)."""
+
+
 class SleepConflictError(MemoryLayerError):
     """A sleep request conflicts with how a tag is already asleep (a different policy)."""
 

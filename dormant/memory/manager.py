@@ -24,6 +24,7 @@ from dormant.memory.capture import TagPools, capture_scope, check_not_capturing,
 from dormant.memory.context_release import ContextRelease
 from dormant.memory.errors import ManagerClosedError
 from dormant.memory.guard import PointerGuard, TensorSource
+from dormant.memory.offload import DiscardOrder
 from dormant.memory.policy import (
     BUILTIN_TAGS,
     CUDA_GRAPH,
@@ -53,6 +54,8 @@ class MemoryManager:
         keep_arena: keep the pinned host arena across cycles (default); False releases it after
             each wake that leaves nothing offloaded.
         skip_unchanged: do not copy HOST memory whose content hash matches its arena copy.
+        discard_order: when a sleep releases DISCARD memory against its HOST copies (offload.py;
+            a ``DiscardOrder`` or its value; settable later, as ``mm.discard_order``).
         slab_bytes: the smallest slab that small blocks are carved from (see pool.py).
         max_slab_bytes: the largest slab; blocks below 1/16 of it share slabs, so that many
             small allocations (graph pools, capture scopes) sleep and wake as few handles.
@@ -68,6 +71,7 @@ class MemoryManager:
         strict: bool = False,
         keep_arena: bool = True,
         skip_unchanged: bool = True,
+        discard_order: DiscardOrder | str = DiscardOrder.UNDER_COPIES,
         slab_bytes: int = 2 << 20,
         max_slab_bytes: int = 512 << 20,
         host_capacity: int | None = None,
@@ -77,6 +81,7 @@ class MemoryManager:
         device_slots.claim(self.backend.device_key)
         self.poison, self.strict = poison, strict
         self.keep_arena, self.skip_unchanged = keep_arena, skip_unchanged
+        self.discard_order = discard_order  # parsed by the setter
         self.arena = HostArena(self.backend, chunk_bytes=arena_chunk_bytes)
         self._user_tags: dict[str, dict[int, Policy]] = {}
         self._table = BlockTable(self.backend, self.arena, slab_bytes, max_slab_bytes)
@@ -91,6 +96,15 @@ class MemoryManager:
         self.last_sleep: SleepReport | None = None
         self.last_wake: WakeReport | None = None
         self._finalizer = weakref.finalize(self, device_slots.give_back, self.backend.device_key)
+
+    @property
+    def discard_order(self) -> DiscardOrder:
+        return self._discard_order
+
+    @discard_order.setter
+    def discard_order(self, order: DiscardOrder | str) -> None:
+        """Raises UnknownDiscardOrderError (and keeps the order) for an unknown one."""
+        self._discard_order = DiscardOrder.parse(order)
 
     # ── tags ──────────────────────────────────────────────────────────────────────────────────
     @property
@@ -230,7 +244,11 @@ class MemoryManager:
             self._check_tags(request)
             self._guard.verify()
             self.last_sleep = sleep_tags(
-                self._table, request, strict=self.strict, skip_unchanged=self.skip_unchanged
+                self._table,
+                request,
+                strict=self.strict,
+                skip_unchanged=self.skip_unchanged,
+                discard_order=self._discard_order,
             )
             return self.last_sleep
 

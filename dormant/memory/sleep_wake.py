@@ -14,14 +14,20 @@ from dormant.memory.arena import ArenaPreparation
 from dormant.memory.audit import check_strict
 from dormant.memory.blocks import BlockTable
 from dormant.memory.errors import DriverError, SleepFailedError, WakeFailedError
+from dormant.memory.offload import DiscardOrder, sleep_allocations
 from dormant.memory.policy import Policy
 from dormant.memory.status import SleepReport, WakeReport
 from dormant.memory.tag_machine import failure, plan_sleep, plan_wake
-from dormant.memory.transitions import sleep_allocations, wake_allocations
+from dormant.memory.transitions import wake_allocations
 
 
 def sleep_tags(
-    table: BlockTable, request: Mapping[str, Policy], *, strict: bool, skip_unchanged: bool
+    table: BlockTable,
+    request: Mapping[str, Policy],
+    *,
+    strict: bool,
+    skip_unchanged: bool,
+    discard_order: DiscardOrder = DiscardOrder.UNDER_COPIES,
 ) -> SleepReport:
     """Puts ``request``'s tags to sleep. A conflict or a strict-mode refusal changes nothing; a
     failed driver call raises SleepFailedError, with every landed step recorded."""
@@ -30,7 +36,12 @@ def sleep_tags(
         check_strict(table.records(), [t for t, p in plan.tags.items() if p is Policy.DISCARD])
     try:
         report = sleep_allocations(
-            table.backend, table.arena, plan.host, plan.discard, skip_unchanged=skip_unchanged
+            table.backend,
+            table.arena,
+            plan.host,
+            plan.discard,
+            skip_unchanged=skip_unchanged,
+            discard_order=discard_order,
         )
     except DriverError as error:
         outcome = "The sleep stopped there; what was released before it stays released."

@@ -54,8 +54,10 @@ class SleepReport:
     total_s: float = 0.0
     sync_s: float = 0.0
     arena_s: float = 0.0  # growing (populating + pinning) the host arena
-    hash_s: float = 0.0
+    hash_s: float = 0.0  # hashing, less the releases made while later groups still hashed
     copy_s: float = 0.0  # copies, with the unmaps and releases overlapped under them
+    release_s: float = 0.0  # inside the HOST allocations' unmap and release calls, in all
+    discard_s: float = 0.0  # inside the DISCARD allocations' (under the copies if they hide it)
     bytes_copied: int = 0
     bytes_skipped: int = 0  # HOST bytes unchanged since their last offload: not copied again
     bytes_released: int = 0  # physical memory given back

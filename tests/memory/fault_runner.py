@@ -43,8 +43,8 @@ from dormant.memory import (
     SleepFailedError,
     TagState,
     WakeFailedError,
+    offload,
     pool,
-    transitions,
 )
 from dormant.memory.host_backend import HostBackend
 from dormant.memory.policy import sleep_request
@@ -240,7 +240,7 @@ def finish_child(read_end: int, status: int) -> dict[str, Any]:
 def main(methods: list[str]) -> int:
     torch.set_num_threads(1)  # forked children must not inherit a thread pool
     pool.SLAB_GROWTH = 1  # every new slab as large as the tag's slabs together
-    transitions.HASH_GROUP_MIN_BYTES = 64 * KiB
+    offload.HASH_GROUP_MIN_BYTES = 64 * KiB
     expected = expected_bytes()
     gc.freeze()  # the children's collections then skip everything imported here (torch's heap)
     pid, read_end = start_child(partial(run_case, expected, None, 0, "retry"))

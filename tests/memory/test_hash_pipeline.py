@@ -1,6 +1,7 @@
-"""A sleep hashes its HOST allocations in groups, largest first (transitions.hash_groups), launched
-back to back, and knows every digest before its first copy or release: a digest download queued
-behind a running device-to-host copy waits for all of it (transitions.py, H200 2026-12-01b)."""
+"""A sleep hashes its HOST allocations in groups, largest first (offload.hash_groups), launched
+back to back, and knows every digest before its first copy: a digest download queued behind a
+running device-to-host copy waits for all of it (offload.py, H200 2026-12-01b). Unchanged
+allocations found before the first changed one are released while later groups still hash."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dormant.memory import MemoryManager, transitions
+from dormant.memory import MemoryManager, offload
 from dormant.memory.allocation import Allocation, Kind
 from tests.memory.faults import FaultyBackend
 from tests.memory.helpers import random_fill, same_bytes
@@ -18,7 +19,7 @@ MiB = 1 << 20
 
 
 class RecordingBackend(FaultyBackend):
-    """Records the order of unmaps, hash groups and copies."""
+    """Records the order of unmaps, hash groups, copies and the copies landing."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,15 +30,17 @@ class RecordingBackend(FaultyBackend):
         self.inner.unmap(va, size)
 
     def copy_batch(self):  # type: ignore[no-untyped-def]
-        inner, events = self.inner.copy_batch(), self.events
+        inner, events, sizes = self.inner.copy_batch(), self.events, []
 
         class Copies:
             def add(self, copy):  # type: ignore[no-untyped-def]
                 events.append(("copy", copy.nbytes))
+                sizes.append(copy.nbytes)
                 return inner.add(copy)
 
             def wait(self, index):  # type: ignore[no-untyped-def]
                 inner.wait(index)
+                events.append(("copy landed", sizes[index]))
 
             def wait_all(self):  # type: ignore[no-untyped-def]
                 inner.wait_all()
@@ -61,7 +64,7 @@ class RecordingBackend(FaultyBackend):
 
 @pytest.fixture
 def small_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transitions, "HASH_GROUP_MIN_BYTES", 4 * MiB)
+    monkeypatch.setattr(offload, "HASH_GROUP_MIN_BYTES", 4 * MiB)
 
 
 @pytest.fixture
@@ -82,17 +85,19 @@ def allocation(size: int) -> Allocation:
 
 def test_groups_are_largest_first_and_of_similar_bytes(small_groups: None) -> None:
     sizes = [2, 8, 4, 6, 2, 2, 10, 4, 4, 6]
-    groups = transitions.hash_groups([allocation(n * MiB) for n in sizes])
+    groups = offload.hash_groups([allocation(n * MiB) for n in sizes])
     flat = [a.size for group in groups for a in group]
     assert flat == sorted(flat, reverse=True) and len(flat) == len(sizes)
-    target = max(sum(sizes) * MiB // transitions.HASH_GROUPS, 4 * MiB)
+    target = max(sum(sizes) * MiB // offload.HASH_GROUPS, 4 * MiB)
     assert all(sum(a.size for a in group) >= target for group in groups[:-1])
-    assert transitions.hash_groups([]) == []
+    assert offload.hash_groups([]) == []
 
 
-def test_unchanged_allocations_are_released_largest_first_once_every_group_is_hashed(
+def test_unchanged_allocations_are_released_as_their_group_is_hashed(
     small_groups: None, mm: MemoryManager, backend: RecordingBackend
 ) -> None:
+    """Nothing is copied, so no digest can wait behind a copy: each group's unchanged
+    allocations are released as soon as its digests land, while the later groups still hash."""
     tensors = [mm.empty((n * MiB,), torch.uint8, "weights") for n in (2, 8, 4, 6, 10)]
     expected = [random_fill(t, seed) for seed, t in enumerate(tensors)]
     mm.sleep(tags={"weights": "host"})
@@ -105,8 +110,38 @@ def test_unchanged_allocations_are_released_largest_first_once_every_group_is_ha
     assert unmaps == sorted(unmaps, reverse=True) and len(unmaps) == count
     kinds = [kind for kind, _ in backend.events]
     groups = kinds.count("hash")
-    assert groups > 1  # several groups, all launched, then all waited for, then the releases
-    assert kinds == ["hash"] * groups + ["hash result"] * groups + ["unmap"] * count
+    assert groups > 1 and kinds[:groups] == ["hash"] * groups  # every group launched first
+    # then group by group: its result, then its releases, before the next group's result
+    assert kinds[groups] == "hash result" and kinds[groups + 1] == "unmap"
+    results = [i for i, kind in enumerate(kinds) if kind == "hash result"]
+    assert all(kinds[i + 1] == "unmap" for i in results)
+    assert report.release_s > 0 and report.hash_s >= 0 and report.discard_s == 0
+    mm.wake_up()
+    assert all(same_bytes(t, e) for t, e in zip(tensors, expected, strict=True))
+
+
+def test_a_changed_group_stops_the_early_releases(
+    small_groups: None, mm: MemoryManager, backend: RecordingBackend
+) -> None:
+    """Once a stale allocation is found, the unchanged ones after it are released under the
+    copies, and no copy starts before the last digest is known."""
+    tensors = [mm.empty((n * MiB,), torch.uint8, "weights") for n in (10, 8, 6, 4, 2)]
+    [random_fill(t, seed) for seed, t in enumerate(tensors)]
+    mm.sleep(tags={"weights": "host"})
+    mm.wake_up()
+    tensors[2][5] ^= 1  # the 6 MiB one: a later group than the 10 MiB one
+    expected = [t.clone() for t in tensors]
+    backend.events.clear()
+    report = mm.sleep(tags={"weights": "host"})
+    assert report.bytes_copied == 6 * MiB
+    events = backend.events
+    copy_at = events.index(("copy", 6 * MiB))
+    last_result = max(i for i, (kind, _) in enumerate(events) if kind == "hash result")
+    assert last_result < copy_at
+    unmapped_at = {size: i for i, (kind, size) in enumerate(events) if kind == "unmap"}
+    assert unmapped_at[10 * MiB] < last_result  # before the stale one: released while hashing
+    assert all(copy_at < unmapped_at[n * MiB] for n in (4, 2))  # after it: under the copy
+    assert unmapped_at[6 * MiB] > events.index(("copy landed", 6 * MiB))
     mm.wake_up()
     assert all(same_bytes(t, e) for t, e in zip(tensors, expected, strict=True))
 

@@ -72,7 +72,7 @@ def test_repeating_a_failed_sleep_completes_it(mm: MemoryManager, faulty: Faulty
     faulty.arm()
     report = mm.sleep(tags={"weights": "host"})
     assert report.tags == {"weights": Policy.HOST} and report.bytes_copied == 0
-    assert faulty.calls == {"synchronize": 1, "release": 1, "copy_batch.wait_all": 1}
+    assert faulty.calls == {"synchronize": 1, "release": 1}  # nothing copied: no wait
     assert mm.tag_states()["weights"] is TagState.OFFLOADED
     check_truth(mm, faulty)
     mm.wake_up()
