@@ -75,6 +75,13 @@ class DistributedTPGroup(TPGroup):
         super().__init__(
             rank=dist.get_rank(process_group), world_size=dist.get_world_size(process_group)
         )
+        # Kept, so that the group can be made again on the same ranks once destroyed.
+        self.ranks = (
+            list(range(self.world_size))
+            if process_group is None
+            else dist.get_process_group_ranks(process_group)
+        )
+        self.backend = str(dist.get_backend(process_group))
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         if self.world_size > 1:

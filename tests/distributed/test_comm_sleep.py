@@ -1,0 +1,115 @@
+"""The communicator's sleep bookkeeping (issue 20), over gloo on the CPU: ``recreate`` destroys
+a TP subgroup's process group and makes a new one on the same ranks, installed in the same
+``DistributedTPGroup`` the layers hold, so collectives work after every cycle; ``suspend`` calls
+the NCCL binding once per release and restore, on every rank; what cannot work is refused with
+``CommSleepError`` before anything changes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dormant.distributed.comm_sleep import (
+    CommSleepError,
+    CommSleepMode,
+    CommunicatorSleep,
+    NcclSuspendApi,
+)
+from dormant.distributed.parallel_state import DistributedTPGroup, SingleRankGroup
+
+WORLD = 2
+
+
+class FakeSuspendApi(NcclSuspendApi):
+    """Records the groups it was asked to suspend and resume."""
+
+    def __init__(self) -> None:  # no library
+        self.calls: list[tuple[str, int]] = []
+
+    def suspend(self, group: DistributedTPGroup) -> None:
+        self.calls.append(("suspend", group.rank))
+
+    def resume(self, group: DistributedTPGroup) -> None:
+        self.calls.append(("resume", group.rank))
+
+
+def _summed(group: DistributedTPGroup) -> float:
+    tensor = torch.tensor([float(group.rank + 1)])
+    return float(group.all_reduce(tensor).item())
+
+
+def _rank_main(rank: int, init_file: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        group = DistributedTPGroup(dist.new_group(list(range(WORLD))))
+        sleeper = CommunicatorSleep(group, CommSleepMode.RECREATE)
+        sums, actions, old = [_summed(group)], [], group.process_group
+        for _ in range(2):
+            actions.append(sleeper.release().action)
+            with pytest.raises(CommSleepError, match="released already"):
+                sleeper.release()
+            actions.append(sleeper.restore().action)
+            sums.append(_summed(group))
+        fake = FakeSuspendApi()
+        suspender = CommunicatorSleep(group, "suspend", api=fake)
+        suspender.release(), suspender.restore(), suspender.restore()  # the last does nothing
+        refusals = []
+        for mode, kwargs in (("recreate", {}), ("recreate", {"captures_collectives": True})):
+            target = DistributedTPGroup() if not kwargs else group
+            try:
+                CommunicatorSleep(target, mode, **kwargs)
+            except CommSleepError as error:
+                refusals.append(str(error))
+        results[rank] = {
+            "sums": sums,
+            "actions": actions,
+            "replaced": group.process_group is not old,
+            "ranks": group.ranks,
+            "suspend_calls": fake.calls,
+            "refusals": refusals,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recreate_and_suspend_cycles_over_gloo(tmp_path: Path) -> None:
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    init_file = str(tmp_path / "init")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(
+        _rank_main, args=(init_file, results), nprocs=WORLD, start_method="spawn", join=True
+    )
+    for rank in range(WORLD):
+        report = results[rank]
+        assert report["sums"] == [3.0, 3.0, 3.0]  # 1 + 2, before and after each cycle
+        assert report["actions"] == ["destroyed", "recreated"] * 2
+        assert report["replaced"] and report["ranks"] == [0, 1]
+        assert report["suspend_calls"] == [("suspend", rank), ("resume", rank)]
+        world_refusal, graphs_refusal = report["refusals"]
+        assert "subgroup" in world_refusal and "CUDA graphs" in graphs_refusal
+
+
+def test_a_single_rank_or_off_releases_nothing() -> None:
+    for sleeper in (
+        CommunicatorSleep(SingleRankGroup(), "recreate"),
+        CommunicatorSleep(SingleRankGroup(), "off"),
+    ):
+        assert not sleeper.is_active
+        report = sleeper.release()
+        assert report.action == "none" and report.freed_bytes is None
+        assert sleeper.restore().action == "none"
+
+
+def test_suspend_without_nccl_says_why() -> None:
+    if not torch.cuda.is_available():
+        assert "no NCCL" in (NcclSuspendApi.unavailable_reason() or "")
+        with pytest.raises(CommSleepError, match="unavailable"):
+            NcclSuspendApi.load()
+    with pytest.raises(ValueError):
+        CommSleepMode("pause")
