@@ -8,7 +8,10 @@ repeated; medians with min and max.
 - discard as N handles (N = 1, 4, 16, 64), unmapping and releasing each in turn, or unmapping all
   first and then releasing all; restore (create + map + set access) of the same handles;
 - cuMemRelease of 32 GiB while an 8 GiB pinned D2H copy runs on another stream: does the release
-  slow the copy, or the copy the release? (a level-1 sleep overlaps them);
+  slow the copy, or the copy the release? (a level-1 sleep overlaps them); and the release
+  started first in a helper thread with the copy enqueued while it runs (DiscardOrder THREAD):
+  "release, copy under it" near "copy alone" means the release waits for the copy in flight;
+  "copy, release under it" near copy + release means the two contend on the device;
 - MemoryManager: the KV tag alone (one allocation), discard and restore, against the bare calls.
 
 Usage: python benchmarks/kv_release.py [--out results.jsonl] [--repeats 5]
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +100,7 @@ def probe_overlap(rec: Recorder, backend: CudaBackend, repeats: int) -> list[dic
     va = backend.reserve(KV_BYTES)
     timings: dict[str, list[float]] = {"copy alone": [], "release alone": []}
     timings.update({"copy, release under it": [], "release, copy under it": []})
+    timings.update({"release in a thread, then the copy": [], "the release in that thread": []})
     for _ in range(repeats):
         handle = backend.create(KV_BYTES)
         backend.map(va, KV_BYTES, handle)
@@ -120,9 +125,32 @@ def probe_overlap(rec: Recorder, backend: CudaBackend, repeats: int) -> list[dic
         end = time.perf_counter()
         timings["copy, release under it"].append(end - start)
         timings["release, copy under it"].append(release_end - release_start)
+        # The release first, in a helper thread, the copy enqueued while it runs (DiscardOrder
+        # THREAD): does a release that starts on an idle device hide under a later copy?
+        handle = backend.create(KV_BYTES)
+        backend.map(va, KV_BYTES, handle)
+        time.sleep(GAP_S)
+        torch.cuda.synchronize()
+        spans: list[float] = []
+        start = time.perf_counter()
+        releaser = threading.Thread(target=lambda: spans.append(timed_release(backend, va, handle)))
+        releaser.start()
+        with torch.cuda.stream(stream):
+            host.copy_(device, non_blocking=True)
+        releaser.join()
+        stream.synchronize()
+        timings["release in a thread, then the copy"].append(time.perf_counter() - start)
+        timings["the release in that thread"].append(spans[0])
     backend.free_reservation(va, KV_BYTES)
     return [rec.emit(case="release under a copy", op=op, **stats(times))
             for op, times in timings.items()]  # fmt: skip
+
+
+def timed_release(backend: CudaBackend, va: int, handle: int) -> float:
+    start = time.perf_counter()
+    backend.unmap(va, KV_BYTES)
+    backend.release(handle)
+    return time.perf_counter() - start
 
 
 def probe_manager(rec: Recorder, repeats: int) -> list[dict]:

@@ -2,9 +2,15 @@
 
 Cases (BENCHMARKS.md, issue 17):
   - an 8B-like weight set (2 x 1 GiB + 128 matrices of 40/56 MiB + small norms, ~8 GiB, HOST)
-    plus 32 GiB of KV cache (DISCARD), cycled with the weights changed before every sleep;
+    plus 32 GiB of KV cache (DISCARD), cycled with the weights changed before every sleep; the
+    weights alone, changed (the level-1 sleep is at this when the KV release hides under the
+    copies); the level-1 sleep once per ``DiscardOrder`` (``--discard-orders``), each row with
+    the seconds inside the KV's unmap + release (``discard_s``) and the weights' (``release_s``);
   - the same with the weights unchanged since the last offload; the weights alone, unchanged;
-  - the KV cache alone (discard and restore);
+    8 GiB in one allocation, unchanged (the unchanged row less the per-handle cost of 131 handles);
+  - the KV cache alone, discard and restore, dormant and torch_memory_saver interleaved round by
+    round (each op after an idle gap, the first system alternating), medians, spread and the
+    median of the per-round ratios;
   - the first-ever sleep: dormant with its arena prepared in the background at "start-up"
     (``prepare_arena``, as the engine does once its graphs are captured), against the steady state;
   - 8 GiB in one allocation, and the same bytes as 4096 x 2 MiB segments: 8192 torch tensors of
@@ -14,7 +20,8 @@ Cases (BENCHMARKS.md, issue 17):
 torch_memory_saver 0.0.10 runs the same sizes in hook_mode="torch", with its default pinned backup
 (allocated at every pause) and with retain_cpu_backup=True (kept across cycles).
 
-Usage: python benchmarks/sleep_wake.py [--cycles 3] [--out results.jsonl] [--skip-tms]
+Usage: python benchmarks/sleep_wake.py [--cycles 3] [--kv-rounds 8] [--out results.jsonl]
+       [--skip-tms] [--discard-orders "under copies,thread,..." | none]
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import GiB, MiB, Recorder, environment, timed
 from benchmarks.sleep_wake_report import phases, ratio_rows, summary
-from dormant.memory import MemoryManager
+from dormant.memory import DiscardOrder, MemoryManager
 
 KV_BYTES = 32 * GiB
 # Idle time between a sleep and the next wake: the trainer's step. Without it, a wake that follows
@@ -125,7 +132,7 @@ def first_sleep(rec: Recorder, mm: MemoryManager, case: str, request: dict, nbyt
              **phases([report]))  # fmt: skip
 
 
-def bench_dormant(rec: Recorder, cycles: int) -> None:
+def bench_dormant(rec: Recorder, cycles: int, orders: list[DiscardOrder]) -> None:
     level1 = {"weights": "host", "kv_cache": "discard"}
     mm = MemoryManager("cuda")
     weights = [mm.empty((n,), torch.bfloat16, "weights") for n in weight_mix()]
@@ -141,10 +148,17 @@ def bench_dormant(rec: Recorder, cycles: int) -> None:
              s_per_gib=preparation.seconds / (preparation.nbytes / GiB))  # fmt: skip
     first_sleep(rec, mm, "first sleep, arena prepared", level1, nbytes)
     cycle(rec, mm, "8B weights + 32G KV, changed", level1, nbytes, cycles, weights)
+    cycle(rec, mm, "8B weights only, changed", {"weights": "host"}, nbytes, cycles, weights,
+          ["weights"])  # fmt: skip
+    default = mm.discard_order
+    for order in orders:  # the same sleep, with the KV released at each place
+        mm.discard_order = order
+        cycle(rec, mm, f"8B weights + 32G KV, changed, discard {order.value}", level1, nbytes,
+              cycles, weights)  # fmt: skip
+    mm.discard_order = default
     cycle(rec, mm, "8B weights + 32G KV, unchanged", level1, nbytes, cycles, None)
-    cycle(rec, mm, "8B weights only, unchanged", {"weights": "host"}, nbytes, cycles, None)
-    cycle(rec, mm, "32G KV discard", {"kv_cache": "discard"}, KV_BYTES, cycles * 2, None,
-          ["kv_cache"])  # fmt: skip
+    cycle(rec, mm, "8B weights only, unchanged", {"weights": "host"}, nbytes, cycles, None,
+          ["weights"])  # fmt: skip
     del weights, kv
     gc.collect()
 
@@ -153,6 +167,7 @@ def bench_dormant(rec: Recorder, cycles: int) -> None:
     fill_random(one)
     first_sleep(rec, mm, "first sleep, arena not prepared", {"one": "host"}, 8 * GiB)
     cycle(rec, mm, "8 GiB in one allocation, changed", {"one": "host"}, 8 * GiB, cycles, one)
+    cycle(rec, mm, "8 GiB in one allocation, unchanged", {"one": "host"}, 8 * GiB, cycles, None)
     del one
     gc.collect()
 
@@ -225,28 +240,86 @@ def bench_tms(rec: Recorder, cycles: int) -> None:
         rec.series("4096x2MiB, changed", system, "sleep", seg_sleeps[1:], 8 * GiB)
         rec.series("4096x2MiB, changed", system, "wake", seg_wakes[1:], 8 * GiB)
 
-    kv_sleeps, kv_wakes = [], []
-    for _ in range(cycles * 2):
-        kv_sleeps.append(timed(lambda: tms.pause("kv_cache"))[0])
-        time.sleep(TRAINER_STEP_S)
-        kv_wakes.append(timed(lambda: tms.resume("kv_cache"))[0])
-    rec.series("32G KV discard", "tms", "sleep", kv_sleeps, KV_BYTES)
-    rec.series("32G KV discard", "tms", "wake", kv_wakes, KV_BYTES)
     del weights, kv, segments
+
+
+def bench_kv(rec: Recorder, rounds: int, with_tms: bool) -> None:
+    """32 GiB of KV discarded and restored, dormant and TMS interleaved round by round: each op
+    after an idle gap, the system going first alternating, so that drift in the driver's state
+    reaches both. Rows: medians with min, max and the interquartile spread, and the median of
+    the per-round ratios (dormant / TMS), which drift between rounds cancels out of."""
+    mm = MemoryManager("cuda")
+    kv = mm.empty((KV_BYTES,), torch.uint8, "kv_cache")
+    systems = {"dormant": (lambda: mm.sleep(tags={"kv_cache": "discard"}),
+                           lambda: mm.wake_up(["kv_cache"]))}  # fmt: skip
+    if with_tms:
+        from torch_memory_saver import torch_memory_saver as tms
+
+        tms.hook_mode = "torch"
+        with tms.region(tag="kv_bench"):
+            tms_kv = torch.empty((KV_BYTES,), dtype=torch.uint8, device="cuda")
+        systems["tms"] = (lambda: tms.pause("kv_bench"), lambda: tms.resume("kv_bench"))
+    times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in systems for op in OPS}
+    for index in range(rounds + 1):  # the first round warms up both, and is left out
+        names = list(systems) if index % 2 == 0 else list(reversed(systems))
+        for name in names:
+            for op, fn in zip(OPS, systems[name], strict=True):
+                time.sleep(TRAINER_STEP_S)
+                seconds = timed(fn)[0]
+                if index:
+                    times[(name, op)].append(seconds)
+    for (name, op), samples in times.items():
+        rec.series("32G KV discard", name, op, samples, KV_BYTES, **spread(samples))
+    if with_tms:
+        for op in OPS:
+            paired = [
+                d / t for d, t in zip(times[("dormant", op)], times[("tms", op)], strict=True)
+            ]
+            value = statistics.median(paired)
+            rec.emit(case="ratio", name=f"KV {op}: dormant / TMS, per round", value=value,
+                     min=min(paired), max=max(paired), target_at_most=1.0,
+                     is_met=value <= 1.0)  # fmt: skip
+        del tms_kv
+    del kv
+    mm.close()
+
+
+OPS = ("sleep", "wake")
+
+
+def spread(samples: list[float]) -> dict[str, float]:
+    """The interquartile range, and it over the median (0.1: the middle half within 10 %)."""
+    q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (samples * 3)
+    return {"iqr_s": q3 - q1, "iqr_over_median": (q3 - q1) / statistics.median(samples)}
+
+
+def parse_orders(text: str) -> list[DiscardOrder]:
+    if text == "none":
+        return []
+    return [DiscardOrder.parse(name.strip()) for name in text.split(",")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--kv-rounds", type=int, default=8)
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     parser.add_argument("--skip-tms", action="store_true")
+    every_order = ",".join(o.value for o in DiscardOrder)
+    parser.add_argument(
+        "--discard-orders",
+        default=every_order,
+        help="DiscardOrder values to time the level-1 sleep with, or none",
+    )
     args = parser.parse_args()
+    orders = parse_orders(args.discard_orders)
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     limits = measure_limits(rec, 8 * GiB)
-    bench_dormant(rec, args.cycles)
+    bench_dormant(rec, args.cycles, orders)
     if not args.skip_tms:
         bench_tms(rec, args.cycles)
+    bench_kv(rec, args.kv_rounds, not args.skip_tms)
     for row in ratio_rows(rec.rows):
         rec.emit(**row)
     print(summary(rec, limits))
