@@ -153,7 +153,7 @@ def _per_position(sampling: SamplingTensors, num_positions: int) -> SamplingTens
     steps = (sampling.steps[:, None] + offsets[None, :]).reshape(-1)
 
     def repeat(values: torch.Tensor) -> torch.Tensor:
-        return values.repeat_interleave(num_positions)
+        return values[:, None].expand(-1, num_positions).reshape(-1)
 
     seeds = repeat(sampling.seeds)
     return dataclasses.replace(

@@ -30,6 +30,7 @@ from dormant.models.mtp import MTPDraft, num_mtp_layers
 from tests.layers.attention_metadata import build_attention_metadata
 
 BLOCK_SIZE = 4
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PROMPTS = [[5, 17, 42, 99, 7, 3, 64], [1, 100, 3, 64, 12, 9, 33, 120, 11, 2]]
 
 
@@ -40,10 +41,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen2ForCausal
     return hf_model, tensors, path
 
 
-def load_draft(target: CausalLM, path: Path) -> MTPDraft:
+def load_draft(target: CausalLM, path: Path, device: str = "cpu") -> MTPDraft:
     with torch.device("meta"):
         draft = MTPDraft.for_target(target)
-    materialize(draft, torch.device("cpu"))
+    materialize(draft, torch.device(device))
     draft.init_buffers()
     draft.reset_kv_scales()
     mtp_names = [(n, t) for n, t in iterate_safetensors(path) if is_mtp_weight(n)]
@@ -79,26 +80,28 @@ def test_a_config_without_mtp_layers_is_refused(checkpoint: tuple) -> None:
 
 def run_target(target: CausalLM, caches: list[Tensor], prompts: list[list[int]]) -> tuple:
     """One prefill of ``prompts`` through fresh paged caches: (metadata, positions, hidden)."""
-    tables = block_tables(len(prompts))
+    device = caches[0].device
+    tables = block_tables(len(prompts), device)
     for layer, cache in zip(target.attention_layers(), caches, strict=True):
         layer.kv_cache = cache
     lens = torch.tensor([len(p) for p in prompts])
     meta = build_attention_metadata(tables, lens, lens, BLOCK_SIZE)
-    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts]).to(device)
+    input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     with forward_context(meta), torch.no_grad():
-        hidden = target(torch.tensor([t for p in prompts for t in p]), positions)
+        hidden = target(input_ids, positions)
     return meta, positions, hidden
 
 
-def block_tables(num_seqs: int) -> Tensor:
+def block_tables(num_seqs: int, device: torch.device | str = "cpu") -> Tensor:
     order = torch.randperm(num_seqs * 8, generator=torch.Generator().manual_seed(0))
-    return order.view(num_seqs, 8).to(torch.int32)
+    return order.view(num_seqs, 8).to(device=device, dtype=torch.int32)
 
 
-def nan_caches(model: CausalLM | MTPDraft) -> list[Tensor]:
+def nan_caches(model: CausalLM | MTPDraft, device: str = "cpu") -> list[Tensor]:
     """NaN everywhere: reading a slot that was never written poisons the output."""
     return [
-        torch.full((2, 32, BLOCK_SIZE, a.num_kv_heads, a.head_dim), float("nan"))
+        torch.full((2, 32, BLOCK_SIZE, a.num_kv_heads, a.head_dim), float("nan"), device=device)
         for a in model.attention_layers()
     ]
 
@@ -277,27 +280,28 @@ def reference_mtp(
     return rms_norm(output, w["final_layernorm.weight"], eps) @ tensors["lm_head.weight"].T
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("step", [0, 1])
-def test_forward_matches_the_reference(checkpoint: tuple, step: int) -> None:
+def test_forward_matches_the_reference(checkpoint: tuple, step: int, device: str) -> None:
     """A prefill of two sequences with the target's own metadata and shifted tokens (each
-    prompt's first sampled token appended), then the same through a two-chunk run."""
+    prompt's first sampled token appended); ``step`` 1 runs the second MTP layer."""
     _, tensors, path = checkpoint
-    target = load_dormant(path)
-    draft = load_draft(target, path)
-    meta, positions, hidden = run_target(target, nan_caches(target), PROMPTS)
+    target = load_dormant(path, device=device)
+    draft = load_draft(target, path, device)
+    meta, positions, hidden = run_target(target, nan_caches(target, device), PROMPTS)
     next_tokens = [int(t) for t in target.compute_logits(hidden).argmax(-1)]
     starts = [0, len(PROMPTS[0])]
     shifted = [
         [*prompt[1:], next_tokens[start + len(prompt) - 1]]
         for prompt, start in zip(PROMPTS, starts, strict=True)
     ]
-    for layer, cache in zip(draft.attention_layers(), nan_caches(draft), strict=True):
+    for layer, cache in zip(draft.attention_layers(), nan_caches(draft, device), strict=True):
         layer.kv_cache = cache
-    input_ids = torch.tensor([t for s in shifted for t in s])
+    input_ids = torch.tensor([t for s in shifted for t in s], device=device)
     with forward_context(meta), torch.no_grad():
         logits = draft.compute_logits(draft(input_ids, positions, hidden, step=step))
     assert logits.dtype == torch.float32
-    rows = logits.split([len(p) for p in PROMPTS])
+    hidden, rows = hidden.cpu(), logits.cpu().split([len(p) for p in PROMPTS])
     for start, tokens, ours in zip(starts, shifted, rows, strict=True):
         own_hidden = hidden[start : start + len(tokens)]
         expected = reference_mtp(tensors, step, target.config, torch.tensor(tokens), own_hidden)
