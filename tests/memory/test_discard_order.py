@@ -5,7 +5,7 @@ backend calls, the contents after wake, and the truth after a failed release."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from dormant.memory import (
     DiscardOrder,
     DriverError,
     MemoryManager,
+    Policy,
     SleepFailedError,
     State,
     UnknownDiscardOrderError,
@@ -207,3 +208,24 @@ def test_cuda_copies_synchronize_only_the_streams_they_used(
     calls.clear()
     batch.wait_all()
     assert calls == [("cuStreamSynchronize", stream) for stream in synchronized]
+
+
+@pytest.mark.parametrize("order", list(DiscardOrder))
+def test_every_order_round_trips_on_each_backend(
+    order: DiscardOrder, make_mm: Callable[..., MemoryManager]
+) -> None:
+    """On the cuda backend too: the THREAD order makes its driver calls from a second thread
+    (the backend makes the primary context current there), the others from this one."""
+    mm = make_mm(discard_order=order, max_slab_bytes=2 * MiB)
+    tensors, expected = _weights(mm)
+    kv = mm.empty((KV,), torch.uint8, "kv_cache")
+    for changed in (True, False):  # copied, then unchanged (released while later groups hash)
+        if changed:
+            tensors[0][0] ^= 1
+            expected[0][0] ^= 1
+        report = mm.sleep(tags=LEVEL1)
+        assert report.bytes_copied == (14 * MiB if changed else 0)
+        assert mm.asleep_tags == {"weights": Policy.HOST, "kv_cache": Policy.DISCARD}
+        mm.wake_up()
+        assert all(same_bytes(t, e) for t, e in zip(tensors, expected, strict=True))
+    del kv
