@@ -1,0 +1,201 @@
+"""``EngineLoop``: the one thread that touches the engine, and the commands it runs for others.
+
+The engine is not thread-safe, so only the loop thread touches it. Every other call is a
+*command* run by the loop between two steps, never during one; after running commands the loop
+decides again whether it may step, so a sleep queued behind a step never meets a step.
+
+What the loop does between steps, as a table::
+
+    state                                   loop
+    ──────────────────────────────────────  ───────────────────────────────────────────────
+    no unfinished request, or engine         block until a command arrives
+    paused / asleep / weights stale
+    requests runnable                       run queued commands, then one step, then
+                                            deliver finished outputs and progress
+    gate closed (a ``wait`` pause, sleep     new requests are held, not added; the loop
+    or refit draining)                      steps until every request finished, then the
+                                            command that closed the gate runs and opens it
+
+After ``stop`` every command, queued or new, fails with ``EngineDeadError``, and so does every
+request being generated or held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from dormant.core.errors import EngineAsleepError, EngineDeadError
+from dormant.engine.llm_engine import LLMEngine
+from dormant.engine.request_tracker import RequestTracker
+
+Command = tuple[Callable[[], Any], Future[Any]]
+
+
+class _Deferred:
+    """A command's return value meaning "its future is resolved later" (a held request)."""
+
+
+_DEFERRED = _Deferred()
+
+
+class EngineLoop:
+    """Steps ``engine`` on its own thread and delivers through ``requests``; ``call`` and
+    ``submit`` run commands on that thread between two steps."""
+
+    def __init__(self, engine: LLMEngine, requests: RequestTracker) -> None:
+        self.engine = engine
+        self.requests = requests
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._is_gate_closed = False
+        self._held: list[Command] = []
+        self._drain_waiters: list[Future[None]] = []
+        self._is_stopped = False
+        self._stop_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="dormant-async-llm", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._is_stopped
+
+    @property
+    def num_held(self) -> int:
+        """Commands held behind the closed gate (read off the loop: an instant's count)."""
+        return len(self._held)
+
+    async def call(self, fn: Callable[[], Any], *, holdable: bool = False) -> Any:
+        """Runs ``fn`` on the loop between two steps; returns its result or raises its error.
+        A ``holdable`` command (adding a request) waits while the gate is closed."""
+        future: Future[Any] = Future()
+        if holdable:  # held while the gate is closed; run when it opens
+            inner = fn
+
+            def fn() -> Any:
+                if self._is_gate_closed:
+                    self._held.append((inner, future))
+                    return _DEFERRED
+                return inner()
+
+        return await asyncio.wrap_future(self.submit(fn, future))
+
+    def submit(self, fn: Callable[[], Any], future: Future[Any] | None = None) -> Future[Any]:
+        """Queues ``fn`` without waiting (safe from any thread, and in a ``finally``)."""
+        future = future or Future()
+        with self._stop_lock:
+            if self._is_stopped:
+                future.set_exception(EngineDeadError("the engine was shut down"))
+                return future
+            self._commands.put((fn, future))
+        return future
+
+    async def settled(self, mode: str, command: Callable[[], Any]) -> Any:
+        """Runs ``command`` on the loop; for ``mode == "wait"`` first closes the gate (new
+        requests are held) and lets the loop finish every runnable request."""
+        if mode != "wait":
+            return await self.call(command)
+        drained: Future[None] = Future()
+        await self.call(lambda: self._close_gate(drained))
+        try:
+            await asyncio.wrap_future(drained)
+            return await self.call(command)
+        finally:
+            await self.call(self._open_gate)
+
+    def stop(self) -> None:
+        """Fails every request and command with ``EngineDeadError`` and joins the thread."""
+        self.submit(self._stop)
+        self._thread.join()
+
+    # ── on the loop thread ───────────────────────────────────────────────────────────────────
+
+    def _run(self) -> None:
+        while not self._is_stopped:
+            self._resolve_drain_waiters()  # before blocking: a drain may just have ended
+            self._run_commands(block=not self._can_step())
+            self._resolve_drain_waiters()
+            if self._is_stopped or not self._can_step():  # decided again, after the commands
+                continue
+            try:
+                finished = self.engine.step()
+            except BaseException as error:  # fail the requests instead of retrying forever
+                self.engine.abort_request()
+                self.requests.fail_all(error)
+                continue
+            self.requests.deliver(finished)
+            self.requests.send_progress()
+        self._drain_commands_after_stop()
+
+    def _can_step(self) -> bool:
+        if not self.engine.has_unfinished_requests():
+            return False
+        try:
+            self.engine.check_can_generate()
+        except EngineAsleepError:
+            return False
+        return True
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._run_command(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_command(self, fn: Callable[[], Any], future: Future[Any]) -> None:
+        try:
+            result = fn()
+        except BaseException as error:
+            future.set_exception(error)
+            return
+        if result is not _DEFERRED:
+            future.set_result(result)
+
+    # ── the gate: draining before a wait-mode sleep, pause or refit ──────────────────────────
+
+    def _close_gate(self, drained: Future[None]) -> None:
+        self._is_gate_closed = True
+        self._drain_waiters.append(drained)
+
+    def _open_gate(self) -> None:
+        if self._drain_waiters:  # another drain is still waiting: it opens the gate
+            return
+        self._is_gate_closed = False
+        held, self._held = self._held, []
+        for command in held:
+            self._run_command(*command)
+
+    def _resolve_drain_waiters(self) -> None:
+        """Drained: nothing left that the loop could step (paused or asleep requests stay)."""
+        if self._drain_waiters and not self._can_step():
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for waiter in waiters:
+                waiter.set_result(None)
+
+    # ── stopping ─────────────────────────────────────────────────────────────────────────────
+
+    def _stop(self) -> None:
+        with self._stop_lock:
+            self._is_stopped = True
+        self.engine.abort_request()
+        self.requests.fail_all(EngineDeadError("the engine was shut down"))
+        for _, future in self._held:
+            future.set_exception(EngineDeadError("the engine was shut down"))
+        self._held.clear()
+
+    def _drain_commands_after_stop(self) -> None:
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future.set_exception(EngineDeadError("the engine was shut down"))

@@ -1,0 +1,131 @@
+"""``RequestTracker``: which caller listens to which engine request.
+
+``AsyncLLM.generate`` callers name requests by their own ids; the engine names them by the id
+its ``add_request`` returns. The tracker maps one to the other and hands each listener its
+request's outputs, progress and errors. Only the loop thread calls it (the engine is not
+thread-safe), so it takes no lock.
+
+Invariants: ``_tracked`` and ``_user_ids`` hold the same requests (keyed by engine id and by
+caller id); a request leaves both when its finished output is delivered or it fails.
+``_cancelled`` holds caller ids aborted before their add ran (held behind a closed gate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from dormant.engine.llm_engine import LLMEngine
+from dormant.engine.outputs import RequestOutput
+
+Listener = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclasses.dataclass
+class TrackedRequest:
+    user_id: str
+    listener: Listener
+    wants_progress: bool
+    engine_id: Any = None  # what the engine's add_request returned
+    num_tokens_sent: int = 0
+
+
+class RequestTracker:
+    """The requests an ``AsyncLLM`` is generating, and who listens to each."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._tracked: dict[str, TrackedRequest] = {}  # str(engine request id) → who listens
+        self._user_ids: dict[str, str] = {}
+        self._cancelled: set[str] = set()  # ids aborted before their held add ran
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests added and not yet finished (readable off the loop: an instant's count)."""
+        return len(self._tracked)
+
+    def add(self, request: Any, tracked: TrackedRequest) -> Any:
+        """Adds ``request`` (a ``RequestInput``, or ``(prompt, params)`` for engines without
+        ``make_request_input``) and returns the engine's id for it. Raises, adding nothing,
+        if the caller's id is in flight or was aborted while held, or if the engine cannot
+        generate (asleep or stale weights; a pause alone lets the request wait)."""
+        if tracked.user_id in self._cancelled:  # aborted while it was held
+            self._cancelled.discard(tracked.user_id)
+            raise asyncio.CancelledError(f"request {tracked.user_id!r} was aborted")
+        if tracked.user_id in self._user_ids:
+            raise ValueError(f"request id {tracked.user_id!r} is already in flight")
+        control = self.engine.sleep_control
+        if not (control.is_paused and control.is_fully_awake):  # a pause only: it waits
+            self.engine.check_can_generate()
+        if isinstance(request, tuple):
+            tracked.engine_id = self.engine.add_request(*request)
+        else:
+            tracked.engine_id = self.engine.add_request_input(request)
+        self._tracked[str(tracked.engine_id)] = tracked
+        self._user_ids[tracked.user_id] = str(tracked.engine_id)
+        return tracked.engine_id
+
+    def deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        """Hands finished outputs to their listeners and forgets those requests."""
+        for output in outputs:
+            tracked = self._tracked.pop(str(output.request_id), None)
+            if tracked is not None:
+                self._user_ids.pop(tracked.user_id, None)
+                tracked.listener(output)
+
+    def send_progress(self) -> None:
+        """Hands each listener that wants progress its request's output, if it grew."""
+        for tracked in self._tracked.values():
+            if not tracked.wants_progress:
+                continue
+            output = self.engine.request_output(tracked.engine_id)
+            if output is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if num_tokens > tracked.num_tokens_sent:
+                tracked.num_tokens_sent = num_tokens
+                tracked.listener(output)
+
+    def abort_engine_ids(self, engine_ids: Iterable[Any] | None) -> None:
+        """Aborts (all when None) and answers them; an empty list aborts nothing."""
+        ids = None if engine_ids is None else list(engine_ids)
+        if ids is None or ids:
+            self.deliver(self.engine.abort_request(ids))
+
+    def abort_users(self, user_ids: Sequence[str]) -> None:
+        """Aborts by the callers' ids; one still held behind the gate is dropped there."""
+        keys = [self._user_ids[i] for i in user_ids if i in self._user_ids]
+        self.abort_engine_ids([self._tracked[k].engine_id for k in keys])
+        self._cancelled.update(i for i in user_ids if i not in self._user_ids)
+
+    def ids_with_tokens(self) -> list[Any]:
+        """Requests that already generated tokens (the ones a refit would mix)."""
+        ids = []
+        for tracked in self._tracked.values():
+            output = self.engine.request_output(tracked.engine_id)
+            if output is not None and any(c.token_ids for c in output.outputs):
+                ids.append(tracked.engine_id)
+        return ids
+
+    def fail_all(self, error: BaseException) -> None:
+        """Hands ``error`` to every listener and forgets every request."""
+        for tracked in self._tracked.values():
+            tracked.listener(error)
+        self._tracked.clear()
+        self._user_ids.clear()
+
+
+class RequestCounts:
+    """What vLLM's ``OutputProcessor`` tells about unfinished requests: here, ``count()``,
+    the requests an ``AsyncLLM`` is generating or holding (``AsyncLLM.num_requests``)."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._count()
+
+    def has_unfinished_requests(self) -> bool:
+        return self._count() > 0
