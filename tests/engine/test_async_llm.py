@@ -139,6 +139,26 @@ def test_cancelling_the_consumer_aborts_the_request(engine, slow_steps) -> None:
     assert len(slow_steps) < 200
 
 
+def test_closing_the_stream_aborts_the_request(engine, slow_steps) -> None:
+    """``aclose`` on ``generate``'s generator (what ``break`` leads to) aborts the request:
+    it stops in the engine long before its 200 tokens."""
+
+    async def run() -> tuple[bool, bool]:
+        stream = engine.generate(PROMPTS[0], greedy(200), "closed")
+        first = await anext(stream)
+        await stream.aclose()
+        for _ in range(500):
+            if not await engine.call(engine.engine.has_unfinished_requests):
+                return first.finished, True
+            await asyncio.sleep(0.01)
+        return first.finished, False
+
+    was_finished, is_stopped = asyncio.run(run())
+    assert not was_finished and is_stopped, "the closed stream's request still runs"
+    assert engine.num_requests == 0
+    assert len(slow_steps) < 200
+
+
 def test_abort_ends_the_stream_with_an_aborted_output(engine, slow_steps) -> None:
     async def run():
         (task,) = await first_tokens_then(engine, greedy(200), PROMPTS[:1])
