@@ -24,7 +24,8 @@ of ``p`` after ``k`` acceptances: each emitted token is distributed as the targe
 
 Logits processors (penalties, bad words, ``min_tokens`` masks) are the caller's: both functions
 take logits as they are to be sampled from. Neither synchronizes with the host, and neither
-loops over rows (only over the ``k`` positions, in the caller).
+loops over rows (only over the ``k`` positions, in the caller). ``per_position_sampling`` gives
+the sampling rows of every verified position (for the target's processed logprobs, say).
 """
 
 from __future__ import annotations
@@ -109,6 +110,32 @@ def verify(
     return emitted, num_accepted + 1
 
 
+def per_position_sampling(sampling: SamplingTensors, num_positions: int) -> SamplingTensors:
+    """``sampling`` with each row repeated for its ``num_positions`` positions (row-major: row
+    ``r``'s position ``i`` is row ``r * num_positions + i``), at output step ``steps + i`` with
+    the sampler's own noise keys for that step. With it, ``processed_logits`` and the sampler
+    apply to target logits ``[n, k + 1, V]`` reshaped to ``[n * (k + 1), V]`` (the processed
+    logprobs of every position, for instance)."""
+    offsets = torch.arange(num_positions, device=sampling.steps.device)
+    steps = (sampling.steps[:, None] + offsets[None, :]).reshape(-1)
+
+    def repeat(values: torch.Tensor) -> torch.Tensor:
+        return values[:, None].expand(-1, num_positions).reshape(-1)
+
+    seeds = repeat(sampling.seeds)
+    return dataclasses.replace(
+        sampling,
+        temperatures=repeat(sampling.temperatures),
+        top_ks=repeat(sampling.top_ks),
+        top_ps=repeat(sampling.top_ps),
+        min_ps=repeat(sampling.min_ps),
+        seeds=seeds,
+        steps=steps,
+        is_greedy=repeat(sampling.is_greedy),
+        noise_keys=noise_keys(seeds, steps),
+    )
+
+
 def _verify_random(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -119,7 +146,7 @@ def _verify_random(
     the residual at each draft position, of ``p`` at the bonus position), for every row."""
     num_seqs, num_positions, vocab_size = logits.shape
     num_drafts = num_positions - 1
-    flat = _per_position(sampling, num_positions)
+    flat = per_position_sampling(sampling, num_positions)
     target_probs = processed_logits(logits.reshape(-1, vocab_size), flat).softmax(dim=-1)
     target_probs = target_probs.reshape(num_seqs, num_positions, vocab_size)
     p = target_probs[:, :num_drafts].gather(-1, draft_tokens[..., None]).squeeze(-1)
@@ -144,29 +171,6 @@ def _recovery_weights(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> 
     residual = (target_probs - draft_probs).clamp_(min=0.0)
     is_empty = residual.sum(dim=-1, keepdim=True) <= 0.0
     return torch.where(is_empty, target_probs, residual)
-
-
-def _per_position(sampling: SamplingTensors, num_positions: int) -> SamplingTensors:
-    """``sampling`` with each row repeated for its ``num_positions`` positions (row-major), the
-    copy of position ``i`` at output step ``steps + i``."""
-    offsets = torch.arange(num_positions, device=sampling.steps.device)
-    steps = (sampling.steps[:, None] + offsets[None, :]).reshape(-1)
-
-    def repeat(values: torch.Tensor) -> torch.Tensor:
-        return values[:, None].expand(-1, num_positions).reshape(-1)
-
-    seeds = repeat(sampling.seeds)
-    return dataclasses.replace(
-        sampling,
-        temperatures=repeat(sampling.temperatures),
-        top_ks=repeat(sampling.top_ks),
-        top_ps=repeat(sampling.top_ps),
-        min_ps=repeat(sampling.min_ps),
-        seeds=seeds,
-        steps=steps,
-        is_greedy=repeat(sampling.is_greedy),
-        noise_keys=noise_keys(seeds, steps),
-    )
 
 
 def _check_shapes(

@@ -17,7 +17,7 @@ import torch
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_input import SeqInput
 from dormant.worker import rejection_sampler
-from dormant.worker.rejection_sampler import draft_sample, verify
+from dormant.worker.rejection_sampler import draft_sample, per_position_sampling, verify
 from dormant.worker.sampler import (
     SamplingTensors,
     noise_keys,
@@ -390,3 +390,17 @@ def test_on_cuda_no_host_sync_and_the_cpu_result() -> None:
     same = (gpu_tokens.cpu() == cpu_tokens).all(dim=1) & (gpu_counts.cpu() == cpu_counts)
     assert same[1::4].all()  # greedy rows: exact
     assert same.double().mean() >= 0.99
+
+
+def test_per_position_sampling_is_each_row_at_each_later_step() -> None:
+    params, seeds = MIXED_PARAMS, [3, 4, 5, 6]
+    flat = per_position_sampling(tensors(params, seeds, steps=2), 3)
+    for offset in range(3):
+        expected = tensors(params, seeds, steps=2 + offset)
+        for field in dataclasses.fields(SamplingTensors):
+            value = getattr(flat, field.name)
+            if isinstance(value, torch.Tensor):
+                rows = value[..., offset::3]
+                assert torch.equal(rows, getattr(expected, field.name)), field.name
+            else:
+                assert value == getattr(expected, field.name)
