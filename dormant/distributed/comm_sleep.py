@@ -18,8 +18,9 @@ so no sleep policy can free them. Two ways to give them back, chosen by ``comm_s
 Both are collective: every rank of the group releases and restores together, as the engine's
 sleep and wake commands run on every rank. ``recreate`` needs the group to be a subgroup (its
 own process group, not torch's world group, which cannot be destroyed without ending the
-process's ``torch.distributed``). What each call did, and the device memory it returned where it
-can be measured, comes back as a ``CommSleepReport``.
+process's ``torch.distributed``) spanning the whole world (making a group takes every rank).
+What each call did, and the device memory it returned where it can be measured, comes back as
+a ``CommSleepReport``.
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ class CommunicatorSleep:
                     "comm_sleep='recreate' needs the TP group to be a subgroup: torch's world "
                     "group cannot be destroyed and made again within a process"
                 )
+            if group.world_size != dist.get_world_size():
+                raise CommSleepError(
+                    "comm_sleep='recreate' needs the engine to be the whole torch.distributed "
+                    "world: making a group takes every rank of the world, and other engines "
+                    "(data parallelism) sleep on their own; use 'suspend'"
+                )
             if captures_collectives:
                 raise CommSleepError(
                     "comm_sleep='recreate' with CUDA graphs at TP > 1: the graphs captured "
@@ -180,9 +187,11 @@ class CommunicatorSleep:
 
 def _recreate(group: DistributedTPGroup) -> None:
     """A new process group on the destroyed one's ranks and backend, installed in ``group``
-    in place: the layers hold ``group`` itself, so they use the new one from now on."""
-    ranks, backend = group.ranks, group.backend
-    group.process_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    in place: the layers hold ``group`` itself, so they use the new one from now on. Made by
+    every rank of the world (checked in ``__init__``), so torch names it by its counter: a name
+    hashed from the ranks would be the destroyed group's, and the new rendezvous could read
+    the old one's keys."""
+    group.process_group = dist.new_group(group.ranks, backend=group.backend)
 
 
 def _comm(group: DistributedTPGroup) -> int:
