@@ -14,29 +14,29 @@ handles on a GPU; file descriptors or shared-memory names on the CPU), pickles t
      bucket"     uint8 buffer: start/end are byte offsets, each slice is viewed as its dtype
                  (SGLang's multi-dtype bucket); any other dtype: element offsets (older bucket)
 
-Receiving holds no copy of the weights: the rebuilt tensors view the sender's memory, and
-``model.load_weights`` copies them into the parameters in place (device to device on a GPU;
-floats are cast on copy). The sender keeps its tensors alive until the call returns; it returns
-only after the copies finished. Unpickling is restricted to tensor handles and bucket metadata.
+This module holds the formats, the sender's side and the bucket's layout; ``ipc_payload.py``
+rebuilds an entry, and ``ipc_receiver.py`` writes what was rebuilt through a cached copy plan
+(``copy_plan.py``). Receiving holds no copy of the weights: the rebuilt tensors view the
+sender's memory and are copied into the parameters in place (device to device on a GPU; floats
+are cast on copy). The sender keeps its tensors alive until the call returns; it returns only
+after the copies finished. Unpickling is restricted to tensor handles and bucket metadata.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import pickle
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing  # registers the tensor reductions with ForkingPickler
 from torch import Tensor
-from torch.multiprocessing import reductions
 
-from dormant.core.errors import UnsupportedOptionError
 from dormant.models import CausalLM, WeightError
+from dormant.worker.copy_plan import BucketItem, source_view, wait_for_copies
+from dormant.worker.ipc_payload import FlattenedTensorMetadata, SerializedEntry
 from dormant.worker.transfer_errors import WeightTransferError
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -44,57 +44,48 @@ FLATTENED_BUCKET = "flattened_bucket"
 LOAD_FORMATS = (None, FLATTENED_BUCKET)
 BUCKET_ALIGNMENT = 16  # bytes
 NamedTensors = list[tuple[str, Tensor]]
-SerializedEntry = str | bytes
-
-
-@dataclass
-class FlattenedTensorMetadata:
-    """One tensor of a flattened bucket (SGLang's field names; pickled across processes)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
-
-
-@dataclass
-class LocalSerializedTensor:
-    """A tensor serialized once per TP rank: ``values[r]`` is rank r's serialized tensor."""
-
-    values: list[SerializedEntry]
-
-    def get(self, tp_rank: int) -> Tensor:
-        rebuilt = deserialize_payload(_rank_entry(self.values, tp_rank))
-        if not isinstance(rebuilt, Tensor):
-            raise WeightTransferError(f"a LocalSerializedTensor value holds {type(rebuilt)}")
-        return rebuilt
 
 
 # ── the sender's side (the trainer) ────────────────────────────────────────────────────────
 
 
 def make_flattened_bucket(named_tensors: Sequence[tuple[str, Tensor]]) -> tuple[Tensor, list]:
-    """Packs tensors (any dtypes) into one contiguous uint8 buffer on their device; returns the
-    buffer and one ``FlattenedTensorMetadata`` per tensor, with byte offsets. Each tensor starts
-    on a ``BUCKET_ALIGNMENT``-byte boundary, so every slice can be viewed as its dtype."""
+    """Packs tensors (any dtypes) into one new contiguous uint8 buffer on their device; returns
+    the buffer and one ``FlattenedTensorMetadata`` per tensor, with byte offsets. Each tensor
+    starts on a ``BUCKET_ALIGNMENT``-byte boundary, so every slice can be viewed as its dtype."""
     if not named_tensors:
         raise ValueError("a flattened bucket needs at least one tensor")
-    parts, metadata, offset = [], [], 0
-    for name, tensor in named_tensors:
+    *_, last = _bucket_layout(named_tensors)
+    flat = torch.zeros(last.end_idx, dtype=torch.uint8, device=named_tensors[0][1].device)
+    payload = pack_flattened_bucket(flat, named_tensors)
+    return flat, payload["metadata"]
+
+
+def pack_flattened_bucket(buffer: Tensor, named_tensors: Sequence[tuple[str, Tensor]]) -> dict:
+    """Packs tensors into the front of a reusable 1-D uint8 ``buffer`` (verl's way: the engine
+    then keeps its handle open between buckets); returns the ``flattened_bucket`` payload, a
+    view of ``buffer`` and the metadata. Pack the next bucket only after the engine returned."""
+    metadata = _bucket_layout(named_tensors)
+    if metadata and metadata[-1].end_idx > buffer.numel():
+        raise ValueError(f"the bucket needs {metadata[-1].end_idx} bytes; the buffer has fewer")
+    for (_, tensor), meta in zip(named_tensors, metadata, strict=True):
         part = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        padding = -offset % BUCKET_ALIGNMENT
-        if padding:
-            parts.append(part.new_zeros(padding))
-            offset += padding
-        parts.append(part)
-        end = offset + part.numel()
-        metadata.append(
-            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, end, part.numel())
+        buffer[meta.start_idx : meta.end_idx].copy_(part)
+    end = metadata[-1].end_idx if metadata else 0
+    return {"flattened_tensor": buffer[:end], "metadata": metadata}
+
+
+def _bucket_layout(named_tensors: Sequence[tuple[str, Tensor]]) -> list[FlattenedTensorMetadata]:
+    metadata, offset = [], 0
+    for name, tensor in named_tensors:
+        offset += -offset % BUCKET_ALIGNMENT
+        nbytes = tensor.numel() * tensor.element_size()
+        meta = FlattenedTensorMetadata(
+            name, tensor.shape, tensor.dtype, offset, offset + nbytes, nbytes
         )
-        offset = end
-    return torch.cat(parts), metadata
+        metadata.append(meta)
+        offset += nbytes
+    return metadata
 
 
 def iter_buckets(
@@ -136,34 +127,7 @@ def flattened_bucket_request(
     return entries, flat
 
 
-# ── the engine's side ──────────────────────────────────────────────────────────────────────
-
-
-def update_weights_from_tensor(
-    model: CausalLM,
-    serialized_named_tensors: SerializedEntry | Sequence[SerializedEntry],
-    *,
-    load_format: str | None = None,
-    tp_rank: int = 0,
-) -> set[str]:
-    """Rebuilds this rank's entry and writes it into ``model``; returns the names written.
-
-    Raises ``UnsupportedOptionError`` for an unknown ``load_format``, ``WeightTransferError``
-    when the entry cannot be rebuilt (nothing was written), ``WeightError`` when a name, shape
-    or dtype does not fit (nothing was written), and ``WeightTransferError`` when a copy fails
-    (the observer was told: every weight is stale).
-    """
-    if load_format not in LOAD_FORMATS:
-        raise UnsupportedOptionError(
-            f"load_format={load_format!r} is not supported for update_weights_from_tensor; "
-            f"use one of {LOAD_FORMATS}"
-        )
-    payload = deserialize_payload(_rank_entry(serialized_named_tensors, tp_rank))
-    if load_format == FLATTENED_BUCKET:
-        named = unflatten_bucket(payload)
-    else:
-        named = [(name, _unwrap(value, tp_rank)) for name, value in _named_pairs(payload)]
-    return apply_named_tensors(model, named)
+# ── the engine's side: rebuilding (ipc_receiver.py writes what was rebuilt) ─────────────────
 
 
 def apply_named_tensors(model: CausalLM, named: NamedTensors) -> set[str]:
@@ -173,9 +137,7 @@ def apply_named_tensors(model: CausalLM, named: NamedTensors) -> set[str]:
     try:
         written = model.load_weights(named)
         devices = {t.device for _, t in named} | {p.device for p in model.parameters()}
-        for device in devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        wait_for_copies(devices)
     except WeightError:
         raise
     except Exception as error:
@@ -188,60 +150,45 @@ def apply_named_tensors(model: CausalLM, named: NamedTensors) -> set[str]:
     return written
 
 
-def deserialize_payload(data: SerializedEntry) -> Any:
-    """Rebuilds a serialized entry (base64 text or raw bytes) with the restricted unpickler.
+def bucket_items(payload: Any) -> tuple[Tensor, list[BucketItem]]:
+    """The buffer of a flattened bucket as uint8 bytes, and its tensors' byte ranges. Raises
+    ``WeightTransferError`` when the metadata does not fit the buffer (nothing was written).
 
-    Raises ``WeightTransferError`` for corrupted data, a refused global, or a stale handle
-    (its sender exited or freed the tensor).
-    """
-    try:
-        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
-        return _PayloadUnpickler(io.BytesIO(raw)).load()
-    except Exception as error:
-        raise WeightTransferError(
-            f"could not rebuild the tensors sent ({type(error).__name__}: {error}). A handle is "
-            "stale once its sender exits or frees the tensor: the sender must keep its tensors "
-            "alive until the update returns. Nothing was written."
-        ) from error
-
-
-def unflatten_bucket(payload: Any) -> NamedTensors:
-    """Views each tensor of a flattened bucket (no copy). Raises ``WeightTransferError`` when
-    the metadata does not fit the buffer. An empty bucket (no metadata) gives no tensors."""
+    A uint8 buffer has byte offsets and each slice is viewed as its dtype; any other buffer
+    dtype has element offsets and every slice is of that dtype (SGLang's older bucket)."""
     if not isinstance(payload, Mapping) or not {"flattened_tensor", "metadata"} <= payload.keys():
         raise WeightTransferError(
             "a flattened_bucket entry must be a dict with 'flattened_tensor' and 'metadata', "
             f"got {type(payload).__name__}; nothing was written"
         )
     flat = payload["flattened_tensor"]
-    if not isinstance(flat, Tensor) or flat.dim() != 1:
-        raise WeightTransferError("'flattened_tensor' must be a 1-D tensor; nothing was written")
-    metadata = [_as_metadata(meta) for meta in payload["metadata"]]
-    return [(meta.name, _bucket_view(flat, meta)) for meta in metadata]
-
-
-def _bucket_view(flat: Tensor, meta: FlattenedTensorMetadata) -> Tensor:
-    start, end, shape, dtype = (
-        int(meta.start_idx),
-        int(meta.end_idx),
-        torch.Size(meta.shape),
-        meta.dtype,
-    )
-    is_bytes = flat.dtype == torch.uint8 and dtype != torch.uint8
-    expected = shape.numel() * (dtype.itemsize if is_bytes else 1)
-    if not 0 <= start <= end <= flat.numel() or end - start != expected or meta.numel != expected:
+    if not isinstance(flat, Tensor) or flat.dim() != 1 or not flat.is_contiguous():
         raise WeightTransferError(
-            f"{meta.name}: bucket slice [{start}:{end}] (numel {meta.numel}) does not hold "
-            f"{dtype} {tuple(shape)} in a buffer of {flat.numel()} {flat.dtype}; "
-            "nothing was written"
+            "'flattened_tensor' must be a contiguous 1-D tensor; nothing was written"
         )
-    part = flat[start:end]
-    if not is_bytes:
-        return part.reshape(shape)
-    if (flat.storage_offset() + start) % dtype.itemsize:  # SGLang packs with no padding:
-        # copy out this one tensor
-        part = part.clone()
-    return part.view(dtype).reshape(shape)
+    is_bytes, unit = flat.dtype == torch.uint8, flat.element_size()
+    items = []
+    for meta in map(_as_metadata, payload["metadata"]):
+        start, end, shape = int(meta.start_idx), int(meta.end_idx), torch.Size(meta.shape)
+        dtype = meta.dtype if is_bytes else flat.dtype
+        expected = shape.numel() * (dtype.itemsize if is_bytes else 1)
+        if not 0 <= start <= end <= flat.numel() or not end - start == meta.numel == expected:
+            raise WeightTransferError(
+                f"{meta.name}: bucket slice [{start}:{end}] (numel {meta.numel}) does not hold "
+                f"{meta.dtype} {tuple(shape)} in a buffer of {flat.numel()} {flat.dtype}; "
+                "nothing was written"
+            )
+        items.append(BucketItem(meta.name, shape, dtype, start * unit, (end - start) * unit))
+    return flat.view(torch.uint8), items
+
+
+def unflatten_bucket(payload: Any) -> NamedTensors:
+    """Views each tensor of a flattened bucket (no copy, unless a slice is not aligned to its
+    dtype). Raises as ``bucket_items``. An empty bucket (no metadata) gives no tensors."""
+    flat_bytes, items = bucket_items(payload)
+    return [
+        (i.name, source_view(flat_bytes, i.start, i.nbytes, i.dtype).view(i.shape)) for i in items
+    ]
 
 
 def _as_metadata(meta: Any) -> FlattenedTensorMetadata:
@@ -253,87 +200,3 @@ def _as_metadata(meta: Any) -> FlattenedTensorMetadata:
         except TypeError as error:
             raise WeightTransferError(f"bad bucket metadata {dict(meta)}: {error}") from error
     raise WeightTransferError(f"bad bucket metadata of type {type(meta).__name__}")
-
-
-def _named_pairs(payload: Any) -> list[tuple[str, Any]]:
-    if isinstance(payload, Mapping):
-        payload = list(payload.items())
-    if not isinstance(payload, list | tuple) or not all(
-        isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)
-        for item in payload
-    ):
-        raise WeightTransferError(
-            "a named-tensors entry must be a list of (name, tensor) pairs; nothing was written"
-        )
-    return [(name, value) for name, value in payload]
-
-
-def _unwrap(value: Any, tp_rank: int) -> Tensor:
-    if isinstance(value, LocalSerializedTensor):
-        return value.get(tp_rank)
-    if not isinstance(value, Tensor):
-        raise WeightTransferError(f"expected a tensor, got {type(value).__name__}")
-    return value
-
-
-def _rank_entry(entries: SerializedEntry | Sequence[SerializedEntry], tp_rank: int) -> Any:
-    if isinstance(entries, str | bytes | bytearray):
-        return entries
-    if len(entries) == 1:
-        return entries[0]
-    if not 0 <= tp_rank < len(entries):
-        raise WeightTransferError(
-            f"the request has {len(entries)} entries (one per TP rank) but this is rank {tp_rank}"
-        )
-    return entries[tp_rank]
-
-
-def _rebuild_cuda_tensor_by_uuid(*args: Any) -> Tensor:
-    """``rebuild_cuda_tensor`` whose device (argument 6) may be a device UUID, as SGLang's
-    patched reductions send it (device indices differ between processes)."""
-    device = args[6]
-    if isinstance(device, str):
-        matches = [
-            i
-            for i in range(torch.cuda.device_count())
-            if str(torch.cuda.get_device_properties(i).uuid) == device
-        ]
-        if not matches:
-            raise WeightTransferError(f"no visible CUDA device has UUID {device}")
-        args = (*args[:6], matches[0], *args[7:])
-    return reductions.rebuild_cuda_tensor(*args)
-
-
-_REDUCTIONS = "torch.multiprocessing.reductions"
-_ALLOWED_GLOBALS = frozenset(
-    {(_REDUCTIONS, name) for name in (
-        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage",
-        "rebuild_typed_storage_child", "rebuild_storage_fd", "rebuild_storage_filename",
-        "rebuild_storage_empty", "rebuild_event",
-    )}
-    | {(m, n) for m in ("torch", "torch.storage") for n in ("UntypedStorage", "TypedStorage")}
-    | {("torch", "Tensor"), ("torch", "Size"), ("torch.nn.parameter", "Parameter")}
-    | {("torch.cuda", "Event"), ("multiprocessing.resource_sharer", "DupFd")}
-)  # fmt: skip
-# Classes and functions of SGLang (or of slime's copies of them), whatever module sent them.
-_RENAMED_GLOBALS = {
-    "FlattenedTensorMetadata": FlattenedTensorMetadata,
-    "LocalSerializedTensor": LocalSerializedTensor,
-    "_rebuild_cuda_tensor_modified": _rebuild_cuda_tensor_by_uuid,
-}
-
-
-class _PayloadUnpickler(pickle.Unpickler):
-    """Resolves only tensor-handle rebuilders, torch dtypes and bucket metadata."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _RENAMED_GLOBALS:
-            return _RENAMED_GLOBALS[name]
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"refused to load {module}.{name}: a weight update carries only tensor handles "
-            "and bucket metadata"
-        )

@@ -24,6 +24,7 @@ from dormant.core.errors import EngineAsleepError
 from dormant.memory import RUNTIME, WEIGHTS, MemoryManager, TagState
 from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
 from dormant.worker import ipc_weights
+from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.update_group import DTypeLike, WeightUpdateGroups
 
 # Serialized entries (one per TP rank, or one for all), or named tensors in-process.
@@ -53,6 +54,7 @@ class Refitter:
         self.config, self.mm, self._model, self.tp_rank = config, mm, model, tp_rank
         device = "cpu" if mm.backend.device.type != "cuda" else mm.backend.device
         self.groups = WeightUpdateGroups(tp_rank, device=device)
+        self.ipc = IpcReceiver()  # the open handles of an IPC refit, and its buckets' plans
 
     def reload_weights(self, path: str | None = None) -> tuple[str, ...]:
         """Re-reads the checkpoint (or re-runs the seeded init) into the existing tensors."""
@@ -76,10 +78,15 @@ class Refitter:
         entries = cast(
             ipc_weights.SerializedEntry | Sequence[ipc_weights.SerializedEntry], named_tensors
         )
-        names = ipc_weights.update_weights_from_tensor(
+        names = self.ipc.update_weights_from_tensor(
             model, entries, load_format=load_format, tp_rank=self.tp_rank
         )
         return _sorted(names)
+
+    def end_ipc_refit(self) -> None:
+        """Closes the IPC handles held between buckets (``ipc_receiver.py``): the worker calls
+        it before any command that is not part of a refit."""
+        self.ipc.release()
 
     def init_weights_update_group(
         self,

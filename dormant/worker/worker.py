@@ -37,6 +37,7 @@ from dormant.memory import (
 from dormant.memory.process_checkpoint import CommunicatorActiveError
 from dormant.models import CausalLM, ModelConfig, build_model
 from dormant.worker.extension import call_extension, extended_worker_class
+from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.model_runner import ModelRunner
 from dormant.worker.refit import Refitter, check_awake
@@ -99,6 +100,8 @@ class Worker:
         }
 
     def handle(self, command: Command, *args: Any, **kwargs: Any) -> Any:
+        if command not in IPC_REFIT_COMMANDS:  # the refit ended: close the handles it held
+            self.refitter.end_ipc_refit()
         return self._handlers[command](*args, **kwargs)
 
     @property

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from dormant.core.errors import UnsupportedOptionError
 from dormant.models import CausalLM, ModelConfig, WeightError, build_model
+from dormant.worker.ipc_receiver import update_weights_from_tensor
 from dormant.worker.ipc_weights import (
     FLATTENED_BUCKET,
     flattened_bucket_request,
@@ -27,7 +28,6 @@ from dormant.worker.ipc_weights import (
     make_flattened_bucket,
     serialize_for_update,
     unflatten_bucket,
-    update_weights_from_tensor,
 )
 from dormant.worker.refit_record import RefitRecord
 from dormant.worker.transfer_errors import WeightTransferError

@@ -1,0 +1,328 @@
+"""A cached copy plan: where each byte of a flattened bucket lands in a model's parameters.
+
+A trainer sends the same buckets every refit (the same names, dtypes, shapes and offsets), so
+the work that depends only on that metadata is done once per bucket and kept: validating every
+entry, and finding what each layer's ``weight_loader`` copies where. The loaders are traced, not
+re-implemented: each runs once on a ``meta`` probe of the checkpoint tensor under a dispatch mode
+that records its ``copy_`` calls (destination view, source view) instead of running them. A
+refit of that bucket then only issues the recorded copies::
+
+    step        recorded copy                                    launches per bucket
+    ──────────  ───────────────────────────────────────────────  ──────────────────────────────
+    _Run        source slice and destination both contiguous     one per run of tensors that
+                (same dtype: bytes; else cast on copy)            are adjacent in both the bucket
+                                                                 and the parameters' storage
+    _Strided    a strided source (a TP shard along dim 1)        one per copy
+    _LoaderCall a loader that does more than ``copy_``           the loader itself, as
+                                                                 ``load_weights`` would
+
+The engine's parameters are views of one pool block laid out in module order (``adopt``), so a
+bucket packed in the model's own order is one ``_Run``. Consecutive runs merge only in bucket
+order, so overlapping writes (an alias beside its names) keep ``load_weights``'s order.
+
+Invariants: a plan is only built from entries ``check_weights`` accepted (errors are raised at
+build time, before any write, and such a plan is never cached); a plan is used only while its
+model's weight table and every destination storage address are the ones it was built against
+(``is_valid_for``), else it is built again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dormant.models import CausalLM
+from dormant.models.weights import WeightTarget, is_ignored
+from dormant.worker.transfer_errors import WeightTransferError
+
+MAX_PLANS_PER_MODEL = 1024  # distinct bucket layouts kept per model; the oldest goes first
+
+
+@dataclass(frozen=True)
+class BucketItem:
+    """One tensor of a bucket: ``nbytes`` bytes of ``dtype`` at byte ``start`` of the buffer."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start: int
+    nbytes: int
+
+
+def source_view(flat_bytes: Tensor, start: int, nbytes: int, dtype: torch.dtype) -> Tensor:
+    """Bytes ``[start, start + nbytes)`` of the uint8 buffer viewed as ``dtype`` (1-D); a slice
+    that is not aligned to its dtype (SGLang packs with no padding) is copied out first."""
+    part = flat_bytes[start : start + nbytes]
+    if dtype == torch.uint8:
+        return part
+    if part.data_ptr() % dtype.itemsize:
+        part = part.clone()
+    return part.view(dtype)
+
+
+@dataclass(frozen=True)
+class _Run:
+    src_start: int
+    src_nbytes: int
+    src_dtype: torch.dtype
+    dst: Tensor  # 1-D: uint8 when no cast is needed, else the destination's dtype
+
+    def run(self, flat_bytes: Tensor) -> None:
+        dtype = torch.uint8 if self.dst.dtype == torch.uint8 else self.src_dtype
+        self.dst.copy_(source_view(flat_bytes, self.src_start, self.src_nbytes, dtype))
+
+
+@dataclass(frozen=True)
+class _Strided:
+    item: BucketItem
+    offset: int  # elements, relative to the item's first element
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dst: Tensor
+
+    def run(self, flat_bytes: Tensor) -> None:
+        base = source_view(flat_bytes, self.item.start, self.item.nbytes, self.item.dtype)
+        src = base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
+        self.dst.copy_(src)
+
+
+@dataclass(frozen=True)
+class _LoaderCall:
+    item: BucketItem
+    target: WeightTarget
+
+    def run(self, flat_bytes: Tensor) -> None:
+        item, target = self.item, self.target
+        tensor = source_view(flat_bytes, item.start, item.nbytes, item.dtype).view(item.shape)
+        target.loader(target.tensor, tensor, target.shard_id)
+
+
+_Step = _Run | _Strided | _LoaderCall
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    steps: tuple[_Step, ...]
+    names: frozenset[str]  # what a run writes (an alias: the names it covers)
+    num_bytes: int  # the buffer must hold at least this many bytes
+    table: dict[str, WeightTarget]
+    addresses: tuple[tuple[Tensor, int], ...]  # (target tensor, its storage address)
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.steps)
+
+    def is_valid_for(self, model: CausalLM) -> bool:
+        """False once the model was re-materialised (a new table, a parameter's memory moved)."""
+        return model.weight_table() is self.table and all(
+            t.untyped_storage().data_ptr() == address for t, address in self.addresses
+        )
+
+    def run(self, model: CausalLM, flat_bytes: Tensor) -> set[str]:
+        """Issues every copy and waits for them; tells ``model.weight_observer`` as
+        ``load_weights`` does. Raises ``WeightTransferError`` when a copy fails (the observer was
+        told: every weight is stale), or the observer's refusal before anything is written."""
+        if flat_bytes.numel() < self.num_bytes:
+            raise WeightTransferError(
+                f"the bucket holds {flat_bytes.numel()} bytes but its metadata needs "
+                f"{self.num_bytes}; nothing was written"
+            )
+        observer = model.weight_observer
+        if observer is not None:
+            observer.before_write()  # a refusal writes nothing and marks nothing stale
+        try:
+            with torch.no_grad():
+                for step in self.steps:
+                    step.run(flat_bytes)
+            wait_for_copies({flat_bytes.device, *(t.device for t, _ in self.addresses)})
+        except BaseException as error:
+            if observer is not None:
+                observer.failed()
+            raise WeightTransferError(
+                f"copying the received weights failed ({type(error).__name__}: {error}); some "
+                "weights may be written, so every weight is marked stale: refit all of them"
+            ) from error
+        if observer is not None:
+            observer.written(self.names)
+        return set(self.names)
+
+
+def wait_for_copies(devices: set[torch.device]) -> None:
+    """Returns once this thread's work on each CUDA device's current stream finished, so that a
+    sender may free or reuse the tensors it sent."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
+    """Validates ``items`` (``WeightError`` naming every bad entry; nothing is written), then
+    traces each one's loader and merges adjacent runs."""
+    model.check_weights([(item.name, item.shape, item.dtype) for item in items])
+    table, is_tied = model.weight_table(), model.config.tie_word_embeddings
+    spans: list[_Span | _Strided | _LoaderCall] = []
+    names: set[str] = set()
+    targets: dict[int, Tensor] = {}
+    storages: dict[int, Tensor] = {}  # storage address -> uint8 tensor over the whole storage
+    for item in items:
+        if is_ignored(item.name, is_tied):
+            continue
+        target = table[item.name]
+        targets[id(target.tensor)] = target.tensor
+        names.update(target.covers or (item.name,))
+        copies = _traced_copies(target, item)
+        if copies is None:
+            spans.append(_LoaderCall(item, target))
+            continue
+        spans.extend(_step_of(item, dst, src, storages) for dst, src in copies if dst.numel())
+    addresses = tuple((t, t.untyped_storage().data_ptr()) for t in targets.values())
+    num_bytes = max((item.start + item.nbytes for item in items), default=0)
+    return CopyPlan(_merged(spans), frozenset(names), num_bytes, table, addresses)
+
+
+class CopyPlans:
+    """Plans by model and bucket layout. Models are held weakly: a dropped model drops its plans
+    and the parameter views they hold. ``num_built`` counts the plans built (a cache miss)."""
+
+    def __init__(self) -> None:
+        self._plans: WeakKeyDictionary[CausalLM, dict[tuple[Any, ...], CopyPlan]]
+        self._plans = WeakKeyDictionary()
+        self.num_built = 0
+
+    def get(self, model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
+        plans = self._plans.setdefault(model, {})
+        key = tuple(items)
+        plan = plans.get(key)
+        if plan is None or not plan.is_valid_for(model):
+            plan = build_plan(model, items)  # raises before anything is cached
+            self.num_built += 1
+            plans.pop(key, None)
+            if len(plans) >= MAX_PLANS_PER_MODEL:
+                del plans[next(iter(plans))]
+            plans[key] = plan
+        return plan
+
+    def of(self, model: CausalLM) -> list[CopyPlan]:
+        """The plans kept for ``model``, oldest first."""
+        return list(self._plans.get(model, {}).values())
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+# ── tracing and merging ────────────────────────────────────────────────────────────────────
+
+
+class _Untraceable(Exception):
+    pass
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """Records ``copy_(dst, src)`` instead of running it; refuses any other write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[Tensor, Tensor]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.ops.aten.copy_.default and not kwargs:
+            self.copies.append((args[0], args[1]))
+            return args[0]
+        if func._schema.is_mutable:
+            raise _Untraceable(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _traced_copies(target: WeightTarget, item: BucketItem) -> list[tuple[Tensor, Tensor]] | None:
+    """The loader's copies of ``item`` as (destination view, source view of the probe), or
+    None if the loader does anything a recorded plan could not repeat."""
+    probe = torch.empty(item.shape, dtype=item.dtype, device="meta")
+    recorder = _CopyRecorder()
+    try:
+        with torch.no_grad(), recorder:
+            target.loader(target.tensor, probe, target.shard_id)
+    except Exception:
+        return None
+    probe_storage = probe.untyped_storage()._cdata
+    storage = target.tensor.untyped_storage()
+    for dst, src in recorder.copies:
+        is_probe = src.is_meta and src.untyped_storage()._cdata == probe_storage
+        is_param = dst.device == target.tensor.device and (
+            dst.untyped_storage().data_ptr() == storage.data_ptr()
+        )
+        if not (is_probe and is_param and dst.shape == src.shape):
+            return None
+    return recorder.copies
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A contiguous copy before merging: source bytes and destination bytes in one storage."""
+
+    src_start: int
+    src_dtype: torch.dtype
+    storage: Tensor  # uint8 over the destination's whole storage
+    dst_start: int
+    dst_dtype: torch.dtype
+    numel: int
+
+    def follows(self, other: _Span) -> bool:
+        return (
+            self.src_dtype == other.src_dtype
+            and self.dst_dtype == other.dst_dtype
+            and self.storage is other.storage
+            and self.src_start == other.src_start + other.numel * other.src_dtype.itemsize
+            and self.dst_start == other.dst_start + other.numel * other.dst_dtype.itemsize
+        )
+
+    def run_step(self) -> _Run:
+        nbytes = self.numel * self.dst_dtype.itemsize
+        dst = self.storage[self.dst_start : self.dst_start + nbytes]
+        if self.src_dtype != self.dst_dtype:
+            dst = dst.view(self.dst_dtype)
+        return _Run(self.src_start, self.numel * self.src_dtype.itemsize, self.src_dtype, dst)
+
+
+def _step_of(
+    item: BucketItem, dst: Tensor, src: Tensor, storages: dict[int, Tensor]
+) -> _Span | _Strided:
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        return _Strided(item, int(src.storage_offset()), tuple(src.shape), src.stride(), dst)
+    untyped = dst.untyped_storage()
+    storage = storages.get(untyped.data_ptr())
+    if storage is None:
+        storage = torch.empty(0, dtype=torch.uint8, device=dst.device).set_(untyped)
+        storages[untyped.data_ptr()] = storage
+    src_start = item.start + int(src.storage_offset()) * item.dtype.itemsize
+    dst_start = int(dst.storage_offset()) * dst.element_size()
+    return _Span(src_start, item.dtype, storage, dst_start, dst.dtype, dst.numel())
+
+
+def _merged(spans: Sequence[_Span | _Strided | _LoaderCall]) -> tuple[_Step, ...]:
+    steps: list[_Step] = []
+    pending: _Span | None = None
+    for span in spans:
+        if isinstance(span, _Span) and pending is not None and span.follows(pending):
+            pending = _Span(
+                pending.src_start, pending.src_dtype, pending.storage, pending.dst_start,
+                pending.dst_dtype, pending.numel + span.numel,
+            )  # fmt: skip
+            continue
+        if pending is not None:
+            steps.append(pending.run_step())
+            pending = None
+        if isinstance(span, _Span):
+            pending = span
+        else:
+            steps.append(span)
+    if pending is not None:
+        steps.append(pending.run_step())
+    return tuple(steps)

@@ -1,0 +1,164 @@
+"""The receiver's held handles (``dormant/worker/ipc_receiver.py``) on the CPU.
+
+The payloads are pickled as a trainer's CUDA tensors are: ``rebuild_cuda_tensor`` with torch's
+15 arguments, resolved by the restricted unpickler to ``IpcHandles``. The "driver" is faked:
+opening a handle maps the sender's buffer (a NumPy array) as a new storage, registered weakly as
+torch's ``shared_cache`` does, so a storage stays open exactly as long as someone holds it; the
+sender writes into the same buffer between buckets, as a reusing trainer does.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+from torch.multiprocessing import reductions
+
+from dormant.core.commands import Command
+from dormant.models import WeightError
+from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS, IpcHandles, IpcReceiver
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, iter_buckets, pack_flattened_bucket
+from dormant.worker.worker import Worker
+from tests.worker.test_copy_plan import (
+    TINY_LLAMA,
+    assert_state_equal,
+    expected_state,
+    new_weights,
+    state,
+    tiny,
+)
+
+
+class FakeDriver:
+    """Sender buffers by handle; ``rebuild`` maps one as a fresh storage over the same memory."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[bytes, np.ndarray] = {}
+        self.opened: dict[Any, reductions.StorageWeakRef] = {}
+        self.waits: list[tuple[int, bytes]] = []
+
+    def rebuild(self, *args: Any) -> Tensor:
+        _, size, stride, offset, _, dtype, _, handle, _, storage_offset = args[:10]
+        key = (handle, storage_offset)
+        ref = self.opened.get(key)
+        if ref is not None and not ref.expired():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        else:
+            storage = torch.from_numpy(self.buffers[handle]).untyped_storage()
+            self.opened[key] = reductions.StorageWeakRef(storage)
+        base = torch.empty(0, dtype=dtype).set_(storage)
+        return base.as_strided(size, stride, offset)
+
+    def is_open(self, handle: bytes) -> bool:
+        ref = self.opened.get((handle, 0))
+        return ref is not None and not ref.expired()
+
+    def handles(self) -> IpcHandles:
+        return IpcHandles(self.rebuild, self.opened, lambda d, e: self.waits.append((d, e)))
+
+
+class SharedBuffer:
+    """Pickles as a trainer's CUDA tensor: ``rebuild_cuda_tensor`` and its 15 arguments."""
+
+    def __init__(self, handle: bytes, tensor: Tensor, event: bytes) -> None:
+        self.handle, self.tensor, self.event = handle, tensor, event
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        t = self.tensor
+        return reductions.rebuild_cuda_tensor, (
+            Tensor, t.shape, t.stride(), t.storage_offset(), torch.UntypedStorage, t.dtype, 0,
+            self.handle, t.untyped_storage().nbytes(), 0, False, b"refcount", 0, self.event, True,
+        )  # fmt: skip
+
+
+def send(driver: FakeDriver, handle: bytes, bucket: list, event: bytes) -> bytes:
+    """Packs ``bucket`` into the sender's buffer ``handle`` and serializes the request."""
+    buffer = torch.from_numpy(driver.buffers[handle])
+    payload = pack_flattened_bucket(buffer, bucket)
+    shared = SharedBuffer(handle, payload["flattened_tensor"], event)
+    stream = io.BytesIO()
+    pickle.Pickler(stream).dump({"flattened_tensor": shared, "metadata": payload["metadata"]})
+    return stream.getvalue()
+
+
+@pytest.fixture
+def driver() -> FakeDriver:
+    d = FakeDriver()
+    d.buffers[b"reused"] = np.zeros(1 << 20, dtype=np.uint8)
+    d.buffers[b"other"] = np.zeros(1 << 20, dtype=np.uint8)
+    return d
+
+
+def buckets_of(named: list, num_bytes: int = 96 << 10) -> list:
+    buckets = list(iter_buckets(named, num_bytes))
+    assert len(buckets) >= 3
+    return buckets
+
+
+def test_a_reused_buffer_stays_open_and_its_event_is_waited_on(driver: FakeDriver) -> None:
+    model = tiny(TINY_LLAMA)
+    receiver = IpcReceiver(driver.handles())
+    for refit, seed in enumerate((1, 2)):
+        named = new_weights(model, seed)
+        for index, bucket in enumerate(buckets_of(named)):
+            entry = send(driver, b"reused", bucket, event=b"event%d" % index)
+            receiver.update_weights_from_tensor(model, [entry], load_format=FLATTENED_BUCKET)
+            assert driver.is_open(b"reused") and receiver.handles.num_held == 1
+        assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+        receiver.release()  # the refit ended
+        assert not driver.is_open(b"reused")
+        num_buckets = len(buckets_of(named))
+        # opened once per refit; every later bucket reused it and waited on its own event
+        assert receiver.handles.num_opened == refit + 1
+        assert receiver.handles.num_reused == (refit + 1) * (num_buckets - 1)
+        waited = [e for _, e in driver.waits[-(num_buckets - 1) :]]
+        assert waited == [b"event%d" % i for i in range(1, num_buckets)]
+    assert receiver.plans.num_built == num_buckets  # one plan per bucket layout, kept
+
+
+def test_only_the_last_payloads_storage_is_held(driver: FakeDriver) -> None:
+    model = tiny(TINY_LLAMA)
+    receiver = IpcReceiver(driver.handles())
+    first, second, *_ = buckets_of(new_weights(model, 3))
+    receiver.update_weights_from_tensor(
+        model, [send(driver, b"reused", first, b"e")], load_format=FLATTENED_BUCKET
+    )
+    receiver.update_weights_from_tensor(
+        model, [send(driver, b"other", second, b"e")], load_format=FLATTENED_BUCKET
+    )
+    assert not driver.is_open(b"reused") and driver.is_open(b"other")
+    assert receiver.handles.num_opened == 2 and receiver.handles.num_reused == 0
+
+
+def test_an_error_releases_the_held_handles(driver: FakeDriver) -> None:
+    model = tiny(TINY_LLAMA)
+    receiver = IpcReceiver(driver.handles())
+    first, second, *_ = buckets_of(new_weights(model, 4))
+    receiver.update_weights_from_tensor(
+        model, [send(driver, b"reused", first, b"e")], load_format=FLATTENED_BUCKET
+    )
+    bad = [(name + "x", tensor) for name, tensor in second]
+    before = state(model)
+    with pytest.raises(WeightError):
+        receiver.update_weights_from_tensor(
+            model, [send(driver, b"reused", bad, b"e")], load_format=FLATTENED_BUCKET
+        )
+    assert not driver.is_open(b"reused") and receiver.handles.num_held == 0
+    assert_state_equal(state(model), before)
+
+
+@pytest.mark.parametrize("command", list(Command))
+def test_the_worker_ends_the_ipc_refit_on_any_other_command(command: Command) -> None:
+    calls: list[str] = []
+    worker = SimpleNamespace(
+        refitter=SimpleNamespace(end_ipc_refit=lambda: calls.append("end")),
+        _handlers={command: lambda: calls.append("ran")},
+    )
+    Worker.handle(worker, command)  # type: ignore[arg-type]
+    assert calls == (["ran"] if command in IPC_REFIT_COMMANDS else ["end", "ran"])
