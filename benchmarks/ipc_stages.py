@@ -1,7 +1,11 @@
-"""Where the CUDA IPC refit's receiver spends its time, per bucket: rebuilding the handle,
-unflattening, validating, copying, synchronizing. A second process sends the 8B-like model's
-bf16 weights in flattened buckets (``benchmarks/refit.py``'s sender); prints one JSON line per
-stage with its median milliseconds per bucket.
+"""Where the CUDA IPC refit's receiver spends its time, per bucket, in the stages
+``IpcReceiver.update_weights_from_tensor`` runs: rebuilding the entry (opening the handle, or
+finding it held and waiting on the sender's event), reading the bucket's items, looking up its
+copy plan (built on the first refit only), enqueueing the plan's copies, synchronizing, and
+ending the payload (closing the previous bucket's handle unless it was reused). A second process
+sends the 8B-like model's bf16 weights in flattened buckets (``benchmarks/refit.py``'s sender);
+prints one JSON line per stage with its median milliseconds per bucket, and per sender the
+copies per bucket and the handles opened and reused.
 
     python benchmarks/ipc_stages.py [--bucket-mib 512] [--out stages.jsonl]
 """
@@ -23,55 +27,64 @@ from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
-from dormant.worker.ipc_weights import deserialize_payload, unflatten_bucket
+from dormant.worker.copy_plan import wait_for_copies
+from dormant.worker.ipc_payload import deserialize_payload
+from dormant.worker.ipc_receiver import IpcReceiver
+from dormant.worker.ipc_weights import bucket_items
 
-STAGES = ("rebuild", "unflatten", "check", "copy", "sync")
-# Also timed: "release", dropping the rebuilt tensors (closing the IPC handle), and "sender",
-# from the acknowledgement to the next bucket's arrival (the trainer packing and serializing).
+STAGES = ("rebuild", "items", "plan", "copy", "sync", "end payload")
+# Also timed: "sender", from the acknowledgement to the next bucket's arrival (the trainer
+# packing and serializing), and "release", closing the last handle at the end of a refit.
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--refits", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
     shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
     recorder = Recorder(args.out)
-    for mode in ("new", "reuse"):
+    for mode in ("new", "reuse", "pipelined"):
         conn, child = get_context("spawn").Pipe()
         sender = get_context("spawn").Process(
             target=sender_main, args=(child, shapes, "cuda", args.bucket_mib * MiB, 3, mode)
         )
         sender.start()
         conn.recv()
-        stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "release", "sender")}
-        for _ in range(3):
+        receiver = IpcReceiver()
+        stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "sender", "release")}
+        for _ in range(args.refits):
             conn.send("run")
             acknowledged = None
             while (entries := conn.recv()) is not None:
                 t0 = time.perf_counter()
                 if acknowledged is not None:
                     stages["sender"].append(t0 - acknowledged)
-                payload = deserialize_payload(entries[0])
+                payload = deserialize_payload(entries[0], receiver.handles.rebuild_cuda_tensor)
                 t1 = time.perf_counter()
-                named = unflatten_bucket(payload)
+                flat_bytes, items = bucket_items(payload)
                 t2 = time.perf_counter()
-                model.check_weights([(n, t.shape, t.dtype) for n, t in named])
+                plan = receiver.plans.get(model, items)
                 t3 = time.perf_counter()
-                model.load_weights(named)
+                for step in plan.steps:
+                    step.run(flat_bytes)
                 t4 = time.perf_counter()
-                torch.cuda.synchronize()
+                wait_for_copies({flat_bytes.device})
                 t5 = time.perf_counter()
-                for key, value in zip(
-                    STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
-                ):
+                del payload, flat_bytes
+                receiver.handles.end_payload()
+                t6 = time.perf_counter()
+                times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+                for key, value in zip(STAGES, times, strict=True):
                     stages[key].append(value)
-                del payload, named
-                stages["release"].append(time.perf_counter() - t5)
                 conn.send(True)
                 acknowledged = time.perf_counter()
+            t0 = time.perf_counter()
+            receiver.release()
+            stages["release"].append(time.perf_counter() - t0)
         conn.send("stop")
         sender.join()
         for stage, values in stages.items():
@@ -79,6 +92,12 @@ def main() -> None:
                 case="ipc receiver stage", sender=mode, stage=stage, buckets=len(values),
                 median_ms=statistics.median(values) * 1e3, max_ms=max(values) * 1e3,
             )  # fmt: skip
+        plans = receiver.plans.of(model)
+        recorder.emit(
+            case="ipc receiver totals", sender=mode, refits=args.refits,
+            copies_per_bucket=statistics.mean(p.num_copies for p in plans),
+            handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,15 +5,24 @@ Cases (issue 13):
   - bf16: same-process bf16 tensors, one ``model.load_weights`` call;
   - fp32 cast: same-process fp32 tensors, cast on copy, one call;
   - ipc bucket: CUDA IPC handles from a second process on the same GPU, flattened buckets
-    (default 512 MiB) through ``update_weights_from_tensor(load_format="flattened_bucket")``;
-    timed end to end (the sender packs each bucket, as slime does) and receiver-side only;
+    (default 512 MiB) through ``IpcReceiver.update_weights_from_tensor(load_format=
+    "flattened_bucket")``, one receiver per sender mode (its copy plans and held handles, as a
+    worker's); each mode is timed twice: end to end (the sender packs each bucket, as slime and
+    verl do), and engine side (the sender finished packing before it sends, and only the
+    receiver's calls are summed);
   - trl loop: ``load_weights([(name, tensor)])`` one tensor at a time (fp32, TRL's default policy,
     and bf16), the baseline.
 Each case prints a JSON line: seconds (median of ``--repeats``), GB/s of weight bytes,
 ``of_limit`` (the limit's time over the case's; target >= 0.5 for the bucketed bf16 paths),
 ``x_limit`` (its inverse), and the peak extra device memory: the allocator's high-water mark above
 what was allocated before the case (for IPC, the receiver's own allocations; the sender's are its
-own). Not measured here: the time until the engine generates (this drives the model directly).
+own). IPC rows add ``engine_s`` / ``engine_of_limit`` (the engine-side time), the copies per
+bucket and the handles opened and reused per refit. A packed bucket moves every byte twice (the
+sender's pack, the engine's copy-in, on the same HBM), so end to end a packed mode is bounded at
+0.5 x the limit even with no latency at all; only ``direct`` (no packing) is not. The model is
+built as the engine builds it (on meta, adopted into a memory manager's ``weights`` pool: the
+parameters are back to back in module order). Not measured here: the time until the engine
+generates (``benchmarks/refit_to_generate.py``).
 
 Usage: python benchmarks/refit.py [--out results.jsonl] [--bucket-mib 512] [--repeats 5]
        python benchmarks/refit.py --tiny   (a tiny model on the CPU: checks the script runs)
@@ -41,15 +50,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MiB, Recorder, table
 from benchmarks.decode import QWEN3_8B_LIKE
+from dormant.memory import WEIGHTS, MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
+from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import (
-    BUCKET_ALIGNMENT,
     FLATTENED_BUCKET,
-    FlattenedTensorMetadata,
     flattened_bucket_request,
     iter_buckets,
+    pack_flattened_bucket,
     serialize_for_update,
-    update_weights_from_tensor,
 )
 
 TINY = {
@@ -118,38 +127,44 @@ def checksum(tensors: list[Tensor]) -> float:
 SENDER_MODES = {
     "new": "a new buffer each",
     "reuse": "one reused buffer",
-    "pipelined": "two buffers, the next packed while the engine copies",
+    "pipelined": "two halves of one buffer, the next packed while the engine copies",
     "direct": "the trainer's own tensors, no packing",
 }
+PACKED_BOUND = 0.5  # of the limit, end to end: a packed byte is written twice
 
 
 def sender_main(
     conn: Connection, shapes: Shapes, device: str, bucket_bytes: int, seed: int, mode: str
 ) -> None:
-    """Sends the weights on every "run", in buckets, by ``mode`` (``SENDER_MODES``):
-    ``new``, every bucket a new buffer with a new handle (slime's way); ``reuse``, one
-    persistent buffer packed again for every bucket (verl's way); ``pipelined``, two persistent
-    buffers, bucket k+1 packed and sent before the engine acknowledged bucket k; ``direct``,
+    """Sends the weights on every "run" (or "run synced": each bucket's packing finished before
+    it is sent), in buckets, by ``mode`` (``SENDER_MODES``): ``new``, every bucket a new buffer
+    with a new handle (slime's way); ``reuse``, one persistent buffer packed again for every
+    bucket (verl's way); ``pipelined``, the two halves of one persistent allocation (one IPC
+    handle), bucket k+1 packed and sent before the engine acknowledged bucket k; ``direct``,
     handles of the weights themselves (``load_format=None``), nothing packed."""
     weights = source_weights(shapes, torch.bfloat16, torch.device(device), seed)
     conn.send(checksum([t for _, t in weights]))
     largest = max(t.numel() * t.element_size() for _, t in weights)
     size = max(bucket_bytes, largest) + (1 << 20)
     num_buffers = {"reuse": 1, "pipelined": 2}.get(mode, 0)
-    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
+    allocation = torch.empty(size * num_buffers, dtype=torch.uint8, device=device)
+    buffers = [allocation[i * size : (i + 1) * size] for i in range(num_buffers)]
     # Buckets the engine may still be reading when the next one is packed: a buffer is packed
     # again only once the engine acknowledged the bucket it held.
     in_flight_limit = 1 if mode == "pipelined" else 0
-    while conn.recv() == "run":
+    while (command := conn.recv()) != "stop":
         in_flight = 0
         for index, bucket in enumerate(iter_buckets(weights, bucket_bytes)):
             flat = None
             if mode == "direct":
                 entries = [serialize_for_update(bucket)]
             elif buffers:
-                entries = [serialize_for_update(pack_into(buffers[index % len(buffers)], bucket))]
+                payload = pack_flattened_bucket(buffers[index % len(buffers)], bucket)
+                entries = [serialize_for_update(payload)]
             else:
                 entries, flat = flattened_bucket_request(bucket)
+            if command == "run synced" and device.startswith("cuda"):
+                torch.cuda.synchronize()
             conn.send(entries)
             in_flight += 1
             while in_flight > in_flight_limit:
@@ -163,39 +178,44 @@ def sender_main(
         conn.send(None)
 
 
-def pack_into(flat: Tensor, bucket: list[tuple[str, Tensor]]) -> dict[str, Any]:
-    """A flattened bucket written into the front of ``flat`` (SGLang's request shape)."""
-    metadata, offset = [], 0
-    for name, tensor in bucket:
-        offset += -offset % BUCKET_ALIGNMENT
-        part = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[offset : offset + part.numel()].copy_(part)
-        end = offset + part.numel()
-        metadata.append(
-            FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, offset, end, part.numel())
-        )
-        offset = end
-    return {"flattened_tensor": flat[:offset], "metadata": metadata}
-
-
-def ipc_case(model: CausalLM, conn: Connection, load_format: str | None) -> float:
-    """One refit from the sender; returns the receiver-side seconds (inside the update calls)."""
+def ipc_case(
+    receiver: IpcReceiver, model: CausalLM, conn: Connection, load_format: str | None, command: str
+) -> float:
+    """One refit from the sender, ended as the worker ends it (``release``); returns the
+    receiver-side seconds (inside the update calls, and the release)."""
     inside = 0.0
-    conn.send("run")
+    conn.send(command)
     while (entries := conn.recv()) is not None:
         start = time.perf_counter()
-        update_weights_from_tensor(model, entries, load_format=load_format)
+        receiver.update_weights_from_tensor(model, entries, load_format=load_format)
         inside += time.perf_counter() - start
         conn.send(True)
-    return inside
+    start = time.perf_counter()
+    receiver.release()
+    return inside + time.perf_counter() - start
+
+
+def refit_into(
+    sink: dict[str, list[float]],
+    receiver: IpcReceiver,
+    model: CausalLM,
+    conn: Connection,
+    load_format: str | None,
+    command: str,
+) -> None:
+    sink[command].append(ipc_case(receiver, model, conn, load_format, command))
 
 
 # ── the run ────────────────────────────────────────────────────────────────────────────────
 
 
 def build(config: ModelConfig, device: torch.device) -> CausalLM:
-    with torch.device(device):
+    """The model as the worker builds it: on meta, then adopted into a ``weights`` pool."""
+    with torch.device("meta"):
         model = build_model(config)
+    memory = MemoryManager("host" if device.type == "cpu" else str(device))
+    memory.adopt(model, tag=WEIGHTS)
+    model.memory = memory  # the pool lives as long as the model
     model.init_buffers()
     model.reset_kv_scales()
     model.init_random_weights(0)
@@ -262,23 +282,40 @@ def main() -> None:
         )
         sender.start()
         sent_checksum = conn.recv()
-        inside: list[float] = []
+        receiver = IpcReceiver()
         load_format = None if mode == "direct" else FLATTENED_BUCKET
-        run = partial(
-            lambda sink, c, fmt: sink.append(ipc_case(model, c, fmt)), inside, conn, load_format
-        )
-        times, peak = measure(run, device, args.repeats)
+        inside: dict[str, list[float]] = {"run": [], "run synced": []}
+
+        refit = partial(refit_into, inside, receiver, model, conn, load_format)
+        engine_side, _ = measure(partial(refit, "run synced"), device, args.repeats)
+        handles = receiver.handles
+        opened, reused = handles.num_opened, handles.num_reused
+        times, peak = measure(partial(refit, "run"), device, args.repeats)
         received = checksum([p.detach() for p in params])
         conn.send("stop")
         sender.join()
+        plans = receiver.plans.of(model)
+        engine_s = statistics.median(inside["run synced"])
         report(
             f"ipc buckets of {args.bucket_mib} MiB, {how} (end to end)",
             times,
             peak,
-            receiver_s=statistics.median(inside),
+            receiver_s=statistics.median(inside["run"]),
+            engine_s=engine_s,
+            engine_of_limit=rows[0]["seconds"] / engine_s,
+            engine_wall_s=statistics.median(engine_side),
+            end_to_end_bound=None if mode == "direct" else PACKED_BOUND,
+            copies_per_bucket=statistics.mean(p.num_copies for p in plans) if plans else None,
+            handles_opened_per_refit=opened / args.repeats,
+            handles_reused_per_refit=reused / args.repeats,
             verified=math.isclose(received, sent_checksum, rel_tol=1e-9),
         )
-    print(table(rows, ["case", "seconds", "gbps", "of_limit", "peak_extra_bytes"]))
+    print(
+        f"Packed modes move every byte twice (pack, then copy-in): end to end they are bounded at "
+        f"{PACKED_BOUND} x the limit; engine_of_limit is the engine's side alone."
+    )
+    columns = ["case", "seconds", "gbps", "of_limit", "engine_of_limit", "copies_per_bucket"]
+    print(table(rows, [*columns, "peak_extra_bytes"]))
 
 
 if __name__ == "__main__":
