@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from dormant.core.errors import UnsupportedOptionError
+from dormant.core.speculative_config import SpeculativeConfig
 from dormant.core.vllm_options import resolve_vllm_options
 from dormant.models import ModelConfig
 
@@ -85,6 +86,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool | None = None
     disable_log_stats: bool = True  # dormant logs no stats either way
+    # vLLM's: a draft model or MTP layers propose tokens the target verifies (None: off);
+    # built by ``create`` from vLLM's dict (``core/speculative_config.py``)
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def create(
@@ -115,12 +119,22 @@ class EngineConfig:
         model_config = replace(model_config, dtype=_resolve_dtype(dtype, model_config.dtype))
         max_model_len = max_model_len or min(model_config.max_position_embeddings, 2048)
         batched = max_num_batched_tokens or max(max_model_len, 4096)
+        speculative = options.pop("speculative_config", None)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            speculative = SpeculativeConfig.create(
+                speculative,
+                target_path=path,
+                target_config=model_config,
+                tensor_parallel_size=options.get("tensor_parallel_size", 1),
+                max_model_len=max_model_len,
+            )
         return cls(
             model=path,
             model_config=model_config,
             kv_cache_dtype=_resolve_kv_dtype(kv_cache_dtype),
             max_model_len=max_model_len,
             max_num_batched_tokens=batched,
+            speculative_config=speculative,
             **options,
         )
 

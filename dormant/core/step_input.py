@@ -16,6 +16,16 @@ for it (``None`` or empty), and the worker spends nothing on it:
 | bad_words_token_ids    | the request has bad words                  | ``bad_words``              |
 | compute_prompt_logprobs| ``prompt_logprobs`` is set and this is the | prompt logprobs            |
 |                        | request's first prefill                    |                            |
+| num_draft_tokens       | speculative decoding, on a decode row that | drafts to propose and      |
+|                        | may emit that many more tokens             | verify in this step        |
+| draft_prefix_token_ids | speculative decoding, where the draft's KV | the draft catches up       |
+|                        | lags the target's                          |                            |
+
+With speculative decoding (``worker/spec_step.py``) the draft computes what the target does:
+each row's ``draft_prefix_token_ids`` then ``token_ids``, from position ``draft_start``. A row
+with ``num_draft_tokens = j > 0`` has one token (its newest); the worker drafts ``j`` tokens
+after it, the target computes ``[newest, d_1 .. d_j]`` at ``start_position ..``, and the row
+emits ``1 .. j + 1`` tokens. Its block table covers those ``j + 1`` positions.
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ class SeqInput:
         compute_prompt_logprobs: return ``prompt_logprobs`` for this step's positions whose
             next token is in ``token_ids`` (all but the last). False on a recompute after a
             preemption, so they are reported once.
+        num_draft_tokens: speculative decoding's drafts for this row (see the module).
+        draft_prefix_token_ids: the tokens before ``start_position`` whose draft KV is
+            missing (the draft computes them first).
     """
 
     token_ids: tuple[int, ...]
@@ -55,6 +68,13 @@ class SeqInput:
     masked_stop_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     compute_prompt_logprobs: bool = False
+    num_draft_tokens: int = 0
+    draft_prefix_token_ids: tuple[int, ...] = ()
+
+    @property
+    def draft_start(self) -> int:
+        """The first position the draft computes in this step."""
+        return self.start_position - len(self.draft_prefix_token_ids)
 
     @property
     def seq_len(self) -> int:

@@ -32,11 +32,17 @@ class SeqOutput:
     fused multi-step graph). ``logprobs`` is None unless the request asked for them; else it has
     one entry per token in ``token_ids``. ``prompt_logprobs`` is None unless asked for; else it
     has one entry per prompt position this step computed whose next token is known.
+
+    With speculative decoding, a row with ``j`` drafts returns ``1 .. j + 1`` tokens (its
+    accepted drafts, then the target's own token), and every row returns
+    ``num_draft_computed_tokens``: the positions whose draft KV is now exact (the next step's
+    draft starts there). None without speculation.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    num_draft_computed_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

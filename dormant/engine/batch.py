@@ -23,6 +23,8 @@ class SchedulerConfig:
         max_multi_step_seqs: the largest batch that may run several steps at once.
         enable_chunked_prefill: steps mix decodes with chunks of prompts (vLLM V1); off,
             a step is a prefill of whole sequences or a decode.
+        num_speculative_tokens: drafts a decode row may verify per step (speculative
+            decoding; 0: off). Requires ``num_decode_steps == 1``.
 
     Without chunked prefill a sequence of ``max_model_len`` tokens must fit in one step, so
     ``max_num_batched_tokens >= max_model_len`` is required; a full decode batch must always
@@ -35,6 +37,7 @@ class SchedulerConfig:
     num_decode_steps: int = 1
     max_multi_step_seqs: int = 1
     enable_chunked_prefill: bool = False
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps")
@@ -53,6 +56,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so a full decode batch fits in one step"
             )
+        if self.num_speculative_tokens and self.num_decode_steps != 1:
+            raise ValueError("speculative decoding runs one step per batch: num_decode_steps=1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,11 @@ class ScheduledBatch:
     ``is_prefill`` (some row is not a decode: the step runs eagerly, not from a decode graph),
     ``num_scheduled_tokens`` (positions computed, over all steps) and ``num_prefill_tokens``
     (those of the rows that are not decodes) are fixed when the batch is scheduled.
+
+    Speculative decoding (``is_speculative``): a decode row with ``num_draft_tokens[i] = j``
+    computes ``num_new_tokens[i] = 1 + j`` positions (its newest token and ``j`` drafts) and
+    emits ``1 .. j + 1`` tokens; its blocks cover them all. Every row's draft catches up from
+    its sequence's ``num_draft_computed_tokens``.
     """
 
     seqs: tuple[Sequence, ...]
@@ -74,11 +84,25 @@ class ScheduledBatch:
     num_scheduled_tokens: int
     num_prefill_tokens: int
     num_steps: int = 1
+    num_draft_tokens: tuple[int, ...] = ()  # per row; () without speculation
+    is_speculative: bool = False
 
     @classmethod
-    def of(cls, rows: SequenceOf[tuple[Sequence, int]], num_steps: int = 1) -> ScheduledBatch:
-        """The batch of ``rows`` (a sequence and its number of new positions), scheduled now."""
-        prefill = [n for seq, n in rows if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1]
+    def of(
+        cls,
+        rows: SequenceOf[tuple[Sequence, int]],
+        num_steps: int = 1,
+        drafts: dict[int, int] | None = None,
+    ) -> ScheduledBatch:
+        """The batch of ``rows`` (a sequence and its number of new positions, drafts included),
+        scheduled now. ``drafts`` (speculative decoding: None when off) maps sequence ids to
+        their rows' draft counts (absent: 0)."""
+        num_drafts = tuple(0 if drafts is None else drafts.get(s.seq_id, 0) for s, _ in rows)
+        prefill = [
+            n
+            for (seq, n), j in zip(rows, num_drafts, strict=True)
+            if n - j != 1 or seq.num_computed_tokens != seq.num_tokens - 1
+        ]
         return cls(
             seqs=tuple(seq for seq, _ in rows),
             num_new_tokens=tuple(n for _, n in rows),
@@ -86,7 +110,12 @@ class ScheduledBatch:
             num_scheduled_tokens=sum(n for _, n in rows) * num_steps,
             num_prefill_tokens=sum(prefill),
             num_steps=num_steps,
+            num_draft_tokens=num_drafts if drafts is not None else (),
+            is_speculative=drafts is not None,
         )
+
+    def num_drafts_of(self, row: int) -> int:
+        return self.num_draft_tokens[row] if self.num_draft_tokens else 0
 
     @property
     def num_seqs(self) -> int:
@@ -99,14 +128,21 @@ class ScheduledBatch:
         with ``stop_token_ids`` until a request has that many outputs, unless ``ignore_eos``.
         Each feature's data is sent only by the requests that use it (``core/step_input.py``).
         """
-        rows = zip(self.seqs, self.num_new_tokens, strict=True)
-        seq_inputs = tuple(self._seq_input(seq, n, eos_token_ids) for seq, n in rows)
+        seq_inputs = tuple(
+            self._seq_input(seq, n, self.num_drafts_of(row), eos_token_ids)
+            for row, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
+        )
         return StepInput(seq_inputs, self.is_prefill)
 
-    def _seq_input(self, seq: Sequence, num_new: int, eos_token_ids: frozenset[int]) -> SeqInput:
+    def _seq_input(
+        self, seq: Sequence, num_new: int, num_drafts: int, eos_token_ids: frozenset[int]
+    ) -> SeqInput:
         params = seq.params
         start = seq.num_computed_tokens
-        token_ids = tuple(seq.token_ids_between(start, start + num_new))
+        token_ids = tuple(seq.token_ids_between(start, start + num_new - num_drafts))
+        draft_prefix: tuple[int, ...] = ()
+        if self.is_speculative:
+            draft_prefix = tuple(seq.token_ids_between(seq.num_draft_computed_tokens, start))
         bad_words = tuple(tuple(word) for word in params.bad_words_token_ids or ())
         is_penalised = (params.presence_penalty, params.frequency_penalty) != (0.0, 0.0)
         is_repetition_penalised = params.repetition_penalty != 1.0
@@ -133,4 +169,6 @@ class ScheduledBatch:
             compute_prompt_logprobs=(
                 params.prompt_logprobs is not None and seq.num_output_tokens == 0
             ),
+            num_draft_tokens=num_drafts,
+            draft_prefix_token_ids=draft_prefix,
         )

@@ -37,6 +37,8 @@ from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, ma
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import SequenceFactory
 from dormant.engine.sleep_control import SLEEP_MODES, SleepControl, check_release_context
+from dormant.engine.spec_stats import SpecDecodeStats
+from dormant.engine.speculation import record_step
 from dormant.engine.tokenizer import Tokenizer, load_tokenizer
 from dormant.executors import Executor, UniprocExecutor, make_executor
 from dormant.memory import KV_CACHE
@@ -82,14 +84,20 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         self.runtime = EngineRuntime(num_blocks, eos, frozenset(weight_names))
+        speculative = config.speculative_config  # its decodes verify drafts, one step each
+        num_steps = config.cuda_graph_multi_steps if max_multi_step_seqs else 1
         limits = SchedulerConfig(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_model_len,
-            num_decode_steps=config.cuda_graph_multi_steps if max_multi_step_seqs else 1,
+            num_decode_steps=1 if speculative else num_steps,
             max_multi_step_seqs=max(max_multi_step_seqs, 1),
             enable_chunked_prefill=config.enable_chunked_prefill is not False,  # None: on
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         )
+        # Speculative decoding's counts over every request (None: off); per request on its
+        # sequences (``CompletionOutput.spec_decode_stats``)
+        self.spec_decode_stats = SpecDecodeStats() if speculative else None
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, eos)
         self._kv_epoch = self.sleep_control.kv_epoch  # what the cached KV was computed under
@@ -166,7 +174,12 @@ class LLMEngine:
             raise
         num_before = [seq.num_output_tokens for seq in batch.seqs]
         tokens = [list(seq.token_ids) for seq in output.seqs]
-        finished = self.scheduler.postprocess_steps(batch, tokens, self.outputs.on_token)
+        if self.spec_decode_stats is not None:
+            record_step(batch.seqs, batch.num_draft_tokens, output.seqs, self.spec_decode_stats)
+        draft_computed = [seq.num_draft_computed_tokens for seq in output.seqs]
+        finished = self.scheduler.postprocess_steps(
+            batch, tokens, self.outputs.on_token, draft_computed
+        )
         self.outputs.record_step(batch.seqs, output.seqs, num_before)
         return self.outputs.pop_finished(finished)
 

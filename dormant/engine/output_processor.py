@@ -229,6 +229,9 @@ class OutputProcessor:
                     logprobs=None if sample.logprobs is None else list(sample.logprobs),
                     finish_reason=None if seq.finish_reason is None else str(seq.finish_reason),
                     stop_reason=seq.stop_reason,
+                    spec_decode_stats=(
+                        None if seq.spec_decode_stats is None else seq.spec_decode_stats.copy()
+                    ),
                 )
             )
         prompt_logprobs = state.prompt_logprobs

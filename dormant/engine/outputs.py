@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dormant.engine.spec_stats import SpecDecodeStats
+
 
 @dataclass
 class Logprob:
@@ -32,7 +34,8 @@ class CompletionOutput:
     ``finish_reason`` is "stop", "length" or "abort" (None while unfinished); ``stop_reason`` is
     the stop string or stop token id that ended it (None for EOS and other reasons).
     ``cumulative_logprob`` sums the sampled tokens' logprobs; it and ``logprobs`` are None
-    unless the request asked for logprobs.
+    unless the request asked for logprobs. ``spec_decode_stats`` counts its speculative
+    decoding (drafts verified, tokens proposed and accepted); None when it verified none.
     """
 
     index: int
@@ -42,6 +45,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    spec_decode_stats: SpecDecodeStats | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as SequenceOf
 
 from dormant.engine import stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
@@ -169,10 +170,13 @@ class Scheduler:
         batch: ScheduledBatch,
         token_ids: list[list[int]],
         on_token: TokenHook | None = None,
+        draft_computed: SequenceOf[int | None] | None = None,
     ) -> list[Sequence]:
-        """Record the batch's KV and append ``token_ids[i]`` (``num_steps`` tokens, in order)
-        to ``batch.seqs[i]``, up to the token that finishes it; the rest are dropped. A row
-        whose chunk ended before the sequence's last token appends nothing.
+        """Record the batch's KV and append ``token_ids[i]`` (``num_steps`` tokens, in order;
+        ``1 .. j + 1`` for a row with ``j`` drafts) to ``batch.seqs[i]``, up to the token that
+        finishes it; the rest are dropped. A row whose chunk ended before the sequence's last
+        token appends nothing. ``draft_computed[i]`` (speculative decoding) is the row's new
+        ``num_draft_computed_tokens``.
 
         Sequences finished since ``schedule`` (aborted) are skipped. As in vLLM, a sequence
         finishes at ``max_tokens`` outputs or ``max_model_len`` tokens ("length"), else, once
@@ -187,19 +191,17 @@ class Scheduler:
                 "this batch is not in flight: it was postprocessed already, or preempt_all "
                 "discarded it (its sequences will recompute)"
             )
-        shape = (len(token_ids), {len(tokens) for tokens in token_ids})
-        if shape[0] != batch.num_seqs or shape[1] - {batch.num_steps}:
-            raise ValueError(
-                f"got token ids for {shape[0]} sequences with {sorted(shape[1])} steps, for a "
-                f"batch of {batch.num_seqs} sequences of {batch.num_steps} steps"
-            )
+        _check_shape(batch, token_ids)
         self._batch_in_flight = None
         finished: list[Sequence] = []
         rows = zip(batch.seqs, batch.num_new_tokens, token_ids, strict=True)
-        for seq, num_new, tokens in rows:
+        for row, (seq, num_new, tokens) in enumerate(rows):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - batch.num_drafts_of(row)
+            num_draft_computed = None if draft_computed is None else draft_computed[row]
+            if num_draft_computed is not None:
+                seq.num_draft_computed_tokens = num_draft_computed
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a chunk of its prompt: what it sampled is not a token of it
             for token_id in tokens:
@@ -265,6 +267,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.num_draft_computed_tokens = 0
         self._waiting.appendleft(seq)
 
     def _finish(
@@ -273,6 +276,23 @@ class Scheduler:
         seq.finish(reason, stop_reason)
         self.block_manager.free(seq)
         del self._unfinished_by_id[seq.seq_id]
+
+
+def _check_shape(batch: ScheduledBatch, token_ids: list[list[int]]) -> None:
+    """Every row returned ``num_steps`` tokens, or ``1 .. j + 1`` with ``j`` drafts."""
+    counts = [len(tokens) for tokens in token_ids]
+    expected = [
+        (1, 1 + batch.num_drafts_of(row)) if batch.num_drafts_of(row) else (batch.num_steps,) * 2
+        for row in range(batch.num_seqs)
+    ]
+    if len(counts) != batch.num_seqs or any(
+        not low <= count <= high for count, (low, high) in zip(counts, expected, strict=True)
+    ):
+        raise ValueError(
+            f"got token ids for {len(counts)} sequences with {sorted(set(counts))} steps, "
+            f"for a batch of {batch.num_seqs} sequences of {batch.num_steps} steps"
+            + (f" (drafts per row: {list(batch.num_draft_tokens)})" if batch.is_speculative else "")
+        )
 
 
 def _drop_finished(queue: deque[Sequence]) -> None:

@@ -7,9 +7,13 @@ import enum
 import itertools
 import random
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.errors import EngineError
+
+if TYPE_CHECKING:
+    from dormant.engine.spec_stats import SpecDecodeStats
 
 # Seeds drawn for unseeded requests are uniform over the 64-bit range the sampler hashes.
 _NUM_SEED_BITS = 64
@@ -46,6 +50,10 @@ class Sequence:
     leading blocks of its table were offered to the cache, in ``cache_epoch`` (the cache's
     epoch when it was given blocks; after a reset it publishes nothing more). And
     ``num_cached_tokens``: the tokens its first prefill found cached (None before it).
+
+    Speculative decoding: ``num_draft_computed_tokens`` positions have exact draft KV (``<=
+    num_computed_tokens``; reset with it), and ``spec_decode_stats`` counts its drafts (None
+    before its first).
 
     Invariants:
         - ``prompt_token_ids`` is non-empty and never changes.
@@ -87,6 +95,8 @@ class Sequence:
         self.num_published_blocks = 0
         self.cache_epoch = 0
         self.num_cached_tokens: int | None = None
+        self.num_draft_computed_tokens = 0
+        self.spec_decode_stats: SpecDecodeStats | None = None
 
     def __repr__(self) -> str:
         return (

@@ -1,14 +1,19 @@
 """How one step is composed from the scheduler's queues: the passes of a mixed step (chunked
 prefill beside decodes, vLLM V1) and of the split one (whole prefills, else decodes). The rules
 are the scheduler's module docstring; ``Scheduler`` owns the queues and the sequences' lifecycle,
-the planner only decides and takes blocks."""
+the planner only decides and takes blocks.
+
+Speculative decoding: a decode row of an eligible sequence (``speculation.num_drafts``) also
+computes its drafts' positions, when the budget and free blocks allow (else it is a plain
+decode: drafts never preempt anyone). Only its real tokens are published to the prefix cache,
+so no cached block ever holds a rejected draft's KV."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
 
-from dormant.engine import stopping
+from dormant.engine import speculation, stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sequence import Sequence, SequenceStatus
@@ -31,10 +36,22 @@ class StepPlanner:
     ) -> None:
         self.config, self.block_manager = config, block_manager
         self.waiting, self.running, self.preempt = waiting, running, preempt
+        # This plan's draft counts by sequence id; None without speculative decoding.
+        self.drafts: dict[int, int] | None = None
+
+    def _start_plan(self) -> None:
+        self.drafts = {} if self.config.num_speculative_tokens else None
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Drafts a decode of ``seq`` may verify now (0 without speculation)."""
+        if self.drafts is None:
+            return 0
+        return speculation.num_drafts(seq, self.config)
 
     # ── chunked prefill mixed with decodes ─────────────────────────────────────────────────────
 
     def plan_mixed(self) -> ScheduledBatch | None:
+        self._start_plan()
         budget = self.config.max_num_batched_tokens
         rows, num_preempted = self._schedule_running(budget)
         budget -= sum(num_new for _, num_new in rows)
@@ -42,9 +59,9 @@ class StepPlanner:
             rows += self._schedule_waiting(budget, may_chunk=True)
         if not rows:
             return None
-        if all(_is_decode(seq, num_new) for seq, num_new in rows):
+        if self.drafts is None and all(_is_decode(seq, num_new) for seq, num_new in rows):
             return self._decode_batch([seq for seq, _ in rows])
-        return ScheduledBatch.of(rows)
+        return ScheduledBatch.of(rows, drafts=self.drafts)
 
     def _schedule_running(self, budget: int) -> tuple[list[Row], int]:
         """Step 1 of a mixed step: the running sequences' rows, and how many were preempted."""
@@ -63,6 +80,12 @@ class StepPlanner:
             if num_new < 1:
                 index += 1
                 continue
+            num_drafts = 0
+            if num_left == 1:  # a decode: its drafts too, where the budget and blocks allow
+                num_drafts = max(0, min(self._num_drafts(seq), budget - num_decodes_left - 1))
+                while num_drafts and not manager.can_grow(seq, seq.num_tokens + num_drafts):
+                    num_drafts = 0
+                num_new += num_drafts
             while not manager.can_grow(seq, seq.num_computed_tokens + num_new):
                 victim = running.pop()  # the newest; never one scheduled already
                 if victim is not seq and victim.num_tokens - victim.num_computed_tokens == 1:
@@ -74,10 +97,14 @@ class StepPlanner:
             else:
                 manager.grow(seq, seq.num_computed_tokens + num_new)
                 rows.append((seq, num_new))
+                if num_drafts:
+                    assert self.drafts is not None
+                    self.drafts[seq.seq_id] = num_drafts
                 budget -= num_new
                 index += 1
         for seq, num_new in rows:  # final now: no later preemption can take them back
-            manager.publish(seq, seq.num_computed_tokens + num_new)
+            num_drafts = 0 if self.drafts is None else self.drafts.get(seq.seq_id, 0)
+            manager.publish(seq, seq.num_computed_tokens + num_new - num_drafts)
         return rows, num_preempted
 
     def _schedule_waiting(self, budget: int, *, may_chunk: bool) -> list[Row]:
@@ -97,6 +124,7 @@ class StepPlanner:
             manager.allocate(seq, num_computed + num_new, cached)
             manager.publish(seq, num_computed + num_new)
             seq.num_computed_tokens = num_computed
+            seq.num_draft_computed_tokens = num_computed  # cached blocks hold the draft's KV too
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             rows.append((seq, num_new))
@@ -111,13 +139,22 @@ class StepPlanner:
     # ── whole prefills, or decodes ─────────────────────────────────────────────────────────────
 
     def plan_prefill(self) -> ScheduledBatch | None:
+        self._start_plan()
         rows = self._schedule_waiting(self.config.max_num_batched_tokens, may_chunk=False)
-        return ScheduledBatch.of(rows) if rows else None
+        return ScheduledBatch.of(rows, drafts=self.drafts) if rows else None
 
     def plan_decode(self) -> ScheduledBatch | None:
+        self._start_plan()
         scheduled: list[Sequence] = []
+        spare = self.config.max_num_batched_tokens - len(self.running)  # tokens for drafts
         while self.running:
             seq = self.running.popleft()
+            num_drafts = min(self._num_drafts(seq), spare)
+            if num_drafts and self.block_manager.can_append(seq, num_drafts):
+                spare -= num_drafts
+                self.block_manager.append_block_if_needed(seq, num_drafts)
+                assert self.drafts is not None
+                self.drafts[seq.seq_id] = num_drafts
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -133,6 +170,9 @@ class StepPlanner:
         return self._decode_batch(scheduled) if scheduled else None
 
     def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
+        if self.drafts is not None:
+            rows = [(seq, 1 + self.drafts.get(seq.seq_id, 0)) for seq in seqs]
+            return ScheduledBatch.of(rows, drafts=self.drafts)
         return ScheduledBatch.of([(seq, 1) for seq in seqs], self._num_decode_steps(seqs))
 
     def _num_decode_steps(self, seqs: list[Sequence]) -> int:

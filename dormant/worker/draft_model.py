@@ -1,0 +1,121 @@
+"""The draft model of speculative decoding on one rank: its own ``CausalLM``, weights in the
+``weights`` tag, and its own paged KV cache in ``kv_cache``.
+
+The draft's KV cache has the target's block size and number of blocks and is indexed by the
+target's block tables and slot mapping: the scheduler allocates blocks once, and a block's KV
+budget is the target's plus the draft's (``kv_bytes_per_block``).
+
+Refits. The draft's weights are named ``draft.<its checkpoint name>`` (``DRAFT_PREFIX``) in the
+rank's ``RefitRecord``, beside the target's: a level-2 sleep makes them stale with the target's,
+and generation is refused until both were written ("no stale draft"). ``reload_weights``
+reloads the draft too: from the path given when the draft is the target itself
+(self-speculation), else from its own checkpoint (or its seeded random init).
+``update_weights`` takes the draft's tensors under the prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from dormant.core.config import EngineConfig
+from dormant.core.errors import UnsupportedOptionError
+from dormant.core.speculative_config import SpeculativeConfig
+from dormant.memory import WEIGHTS, MemoryManager
+from dormant.models import build_model, iterate_safetensors, iterate_safetensors_metadata
+from dormant.worker import ipc_weights
+from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
+from dormant.worker.refit_record import RefitRecord
+
+DRAFT_PREFIX = "draft."
+
+
+class PrefixedObserver:
+    """The draft's ``weight_observer``: reports its writes to the rank's record, prefixed."""
+
+    def __init__(self, record: RefitRecord) -> None:
+        self.record = record
+
+    def before_write(self) -> None:
+        self.record.before_write()
+
+    def written(self, names: Iterable[str]) -> None:
+        self.record.written(DRAFT_PREFIX + name for name in names)
+
+    def failed(self) -> None:
+        self.record.failed()
+
+
+class DraftModel:
+    """The draft ``CausalLM`` of one rank (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, mm: MemoryManager) -> None:
+        assert spec.draft_model_config is not None
+        self.config, self.spec, self.mm = config, spec, mm
+        with torch.device("meta"):
+            model = build_model(spec.draft_model_config)
+        mm.adopt(model, tag=WEIGHTS)  # parameters → weights, buffers → runtime
+        model.init_buffers()
+        model.reset_kv_scales()
+        self.model = model
+
+    @classmethod
+    def create(cls, config: EngineConfig, mm: MemoryManager) -> DraftModel | None:
+        """The draft of ``config``'s ``speculative_config``, or None (no draft model)."""
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        if spec.method != "draft_model":
+            raise UnsupportedOptionError(
+                f"speculative method {spec.method!r} is not built yet; use 'draft_model'"
+            )
+        return cls(config, spec, mm)
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """Its weights' names in the rank's refit record."""
+        return tuple(DRAFT_PREFIX + name for name in self.model.expected_weight_shapes())
+
+    def attach(self, record: RefitRecord) -> None:
+        self.model.weight_observer = PrefixedObserver(record)
+
+    def load(self, target_path: str | None = None) -> tuple[str, ...]:
+        """Loads the draft's checkpoint (``target_path`` instead, under self-speculation when
+        the target is reloaded from it), or re-runs its seeded random init; returns the
+        prefixed names written."""
+        spec, model = self.spec, self.model
+        path = target_path if spec.is_self_speculation and target_path else spec.draft_path
+        if path is None:
+            model.init_random_weights(self.config.seed)
+            return self.weight_names
+        model.check_weights(list(iterate_safetensors_metadata(path)), require_complete=True)
+        return tuple(
+            sorted(DRAFT_PREFIX + n for n in model.load_weights(iterate_safetensors(path)))
+        )
+
+    def update(self, weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+        """Writes ``draft.``-named tensors (the prefix already stripped), validated first."""
+        names = ipc_weights.apply_named_tensors(self.model, list(weights))
+        return tuple(sorted(DRAFT_PREFIX + name for name in names))
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_cache_spec(self.model, self.config).bytes_per_block
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return allocate_kv_cache(
+            self.mm, self.model, kv_cache_spec(self.model, self.config), num_blocks
+        )
+
+
+def split_draft_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """``(target's, draft's)``: the draft's are the ``draft.``-named ones, prefix stripped."""
+    target, draft = [], []
+    for name, tensor in weights:
+        if name.startswith(DRAFT_PREFIX):
+            draft.append((name[len(DRAFT_PREFIX) :], tensor))
+        else:
+            target.append((name, tensor))
+    return target, draft

@@ -1,0 +1,176 @@
+"""The host-side layout of a speculative step's passes, staged to the device in one copy.
+
+A step runs (``worker/spec_step.py``): the draft's catch-up pass over every row, ``k_max - 1``
+chained draft passes over the rows still drafting, then the target's pass (through the model
+runner's own input buffers). Every position of every pass is known on the host before the step
+starts, whatever the drafts turn out to be: the ``i``-th draft of a row sits at position
+``start_position + i``. So the metadata of all passes, and the index tensors that route drafts
+and logits between them, are built here at once and copied with one non-blocking transfer;
+only token *values* (the drafts) are written on the device.
+
+| array (int64)       | shape                      | what                                     |
+|---------------------|----------------------------|------------------------------------------|
+| catch-up input ids  | [T0]                       | each row's draft prefix, then its tokens |
+| catch-up last       | [n_spec]                   | index of each drafting row's last token  |
+| pass i's rows       | [n_i]                      | drafting rows (of n_spec) with j > i     |
+| target draft slots  | [sum j]                    | where drafts go in the target's input ids|
+| target draft source | [sum j]                    | which entry of drafts [n_spec, k_max]    |
+| target spec logits  | [n_spec * (k_max + 1)]     | hidden rows of [newest, d_1 .. d_k_max]  |
+|                     |                            | (past a row's j: its last, repeated)     |
+| target plain logits | [n_plain]                  | hidden row of each plain row's last token|
+| max emitted         | [n_spec]                   | j + 1                                    |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dormant.core.step_input import SeqInput
+from dormant.layers.context import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """One forward pass's attention metadata on the host: row ``r`` computes ``lengths[r]``
+    positions from ``starts[r]``, in blocks ``tables[r]``."""
+
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    block_tables: np.ndarray  # [n * width]
+    width: int
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def of(
+        cls,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        tables: SequenceOf[tuple[int, ...]],
+        block_size: int,
+    ) -> PassLayout:
+        num_rows = len(tables)
+        width = max(len(t) for t in tables)
+        table = np.zeros((num_rows, width), np.int64)
+        for row, row_blocks in enumerate(tables):
+            table[row, : len(row_blocks)] = row_blocks
+        cu = np.zeros(num_rows + 1, np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        row_of = np.repeat(np.arange(num_rows), lengths)
+        positions = starts[row_of] + np.arange(cu[-1]) - cu[:-1][row_of]
+        blocks = table[row_of, positions // block_size]
+        seq_lens = starts + lengths
+        return cls(
+            positions=positions,
+            slot_mapping=blocks * block_size + positions % block_size,
+            seq_lens=seq_lens,
+            query_start_loc=cu,
+            block_tables=table.reshape(-1),
+            width=width,
+            max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    def arrays(self) -> list[np.ndarray]:
+        return [
+            self.positions, self.slot_mapping, self.seq_lens, self.query_start_loc,
+            self.block_tables,
+        ]  # fmt: skip
+
+    def metadata(self, views: SequenceOf[torch.Tensor]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """``(positions, metadata)`` from the device views of ``arrays()``."""
+        positions, slots, seq_lens, query_start_loc, tables = views
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables.view(-1, self.width).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=query_start_loc.to(torch.int32),
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )
+        return positions, meta
+
+
+@dataclass(frozen=True)
+class SpecLayout:
+    """Every host array of one speculative step (see the module's table)."""
+
+    spec_rows: tuple[int, ...]  # rows (of the step) that draft, in order
+    plain_rows: tuple[int, ...]
+    num_drafts: tuple[int, ...]  # j of each spec row
+    max_drafts: int  # k_max
+    catch_up: PassLayout
+    catch_up_ids: np.ndarray
+    catch_up_last: np.ndarray
+    chained: tuple[tuple[PassLayout, np.ndarray], ...]  # pass i = 1 .. k_max - 1, its rows
+    target_draft_slots: np.ndarray
+    target_draft_source: np.ndarray
+    target_spec_logits: np.ndarray
+    target_plain_logits: np.ndarray
+    max_emitted: np.ndarray
+
+    @classmethod
+    def of(cls, seqs: SequenceOf[SeqInput], block_size: int) -> SpecLayout:
+        spec_rows = tuple(r for r, s in enumerate(seqs) if s.num_draft_tokens)
+        plain_rows = tuple(r for r, s in enumerate(seqs) if not s.num_draft_tokens)
+        num_drafts = tuple(seqs[r].num_draft_tokens for r in spec_rows)
+        k_max = max(num_drafts, default=0)
+        tables = [s.block_table for s in seqs]
+        draft_ids = [(*s.draft_prefix_token_ids, *s.token_ids) for s in seqs]
+        lengths = np.fromiter((len(t) for t in draft_ids), np.int64, len(seqs))
+        starts = np.fromiter((s.draft_start for s in seqs), np.int64, len(seqs))
+        catch_up = PassLayout.of(starts, lengths, tables, block_size)
+        chained = []
+        spec_starts = np.asarray([seqs[r].start_position for r in spec_rows], np.int64)
+        for i in range(1, k_max):
+            rows = np.asarray([n for n, j in enumerate(num_drafts) if j > i], np.int64)
+            layout = PassLayout.of(
+                spec_starts[rows] + i,
+                np.ones(len(rows), np.int64),
+                [tables[spec_rows[n]] for n in rows],
+                block_size,
+            )
+            chained.append((layout, rows))
+        # The target's pass: each row's real tokens, then its j drafts.
+        target_lengths = np.fromiter(
+            (len(s.token_ids) + s.num_draft_tokens for s in seqs), np.int64, len(seqs)
+        )
+        target_cu = np.concatenate([[0], np.cumsum(target_lengths)])
+        slots, source, spec_logits = [], [], []
+        for n, (row, j) in enumerate(zip(spec_rows, num_drafts, strict=True)):
+            first = target_cu[row]  # the newest token; its drafts follow
+            slots.append(first + 1 + np.arange(j))
+            source.append(n * k_max + np.arange(j))
+            spec_logits.append(first + np.minimum(np.arange(k_max + 1), j))
+        empty = np.zeros(0, np.int64)
+        return cls(
+            spec_rows=spec_rows,
+            plain_rows=plain_rows,
+            num_drafts=num_drafts,
+            max_drafts=k_max,
+            catch_up=catch_up,
+            catch_up_ids=np.fromiter((t for ids in draft_ids for t in ids), np.int64),
+            catch_up_last=catch_up.query_start_loc[1:][list(spec_rows)] - 1,
+            chained=tuple(chained),
+            target_draft_slots=np.concatenate([empty, *slots]),
+            target_draft_source=np.concatenate([empty, *source]),
+            target_spec_logits=np.concatenate([empty, *spec_logits]),
+            target_plain_logits=target_cu[1:][list(plain_rows)] - 1,
+            max_emitted=np.asarray(num_drafts, np.int64) + 1,
+        )
+
+    def arrays(self) -> list[np.ndarray]:
+        """Everything to stage, in the order ``unpack`` reads it back."""
+        arrays = [*self.catch_up.arrays(), self.catch_up_ids, self.catch_up_last]
+        for layout, rows in self.chained:
+            arrays += [*layout.arrays(), rows]
+        return [
+            *arrays, self.target_draft_slots, self.target_draft_source,
+            self.target_spec_logits, self.target_plain_logits, self.max_emitted,
+        ]  # fmt: skip
