@@ -333,7 +333,8 @@ class LLMEngine:
             self._refresh_sleep_state()
         self._invalidate_stale_prefix_cache()
         stats = self.scheduler.block_manager.prefix_cache_stats()
-        return [EngineMemoryStatus.of(status, stats) for status in statuses]
+        spec = None if self.spec_decode_stats is None else self.spec_decode_stats.copy()
+        return [EngineMemoryStatus.of(status, stats, spec) for status in statuses]
 
     @property
     def model_executor(self) -> Executor:

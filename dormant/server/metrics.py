@@ -1,8 +1,12 @@
 """Prometheus metrics (``prometheus-client``), served at ``/metrics``.
 
 Counters and histograms are recorded as things happen; the sleep state, bytes per tag, queue
-depth and the prefix cache's statistics are read from the engine when Prometheus scrapes
-(``refresh``), so they are never a second copy of the engine's state.
+depth, the prefix cache's statistics and speculative decoding's counts are read from the engine
+when Prometheus scrapes (``refresh``), so they are never a second copy of the engine's state.
+
+Speculative decoding's counters are vLLM's (``vllm:spec_decode_*``) under dormant's prefix:
+``dormant_spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
+``..._num_accepted_tokens_per_pos{position}`` (counters: scraped with ``_total``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from dormant.engine.outputs import RequestOutput
 
@@ -66,6 +72,8 @@ class Metrics:
         self.wakes = Counter("dormant_auto_wakes", "wakes by --auto-wake", ["model_name"],
                              registry=r).labels(**labels)  # fmt: skip
         self._labels = labels
+        self.spec_decode = _SpecDecodeCollector(model_name)
+        r.register(self.spec_decode)
 
     @contextlib.contextmanager
     def timed(self, kind: str) -> Iterator[None]:
@@ -120,6 +128,38 @@ class Metrics:
                 self.prefix_cache.labels(quantity=quantity, **labels).set(value)
         self.weight_version.clear()
         self.weight_version.labels(version=version, **labels).set(1)
+        self.spec_decode.stats = getattr(status, "spec_decode", None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector(Collector):
+    """Speculative decoding's counters, from the engine's totals of the last ``refresh``
+    (nothing while speculation is off)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: Any = None  # SpecDecodeStats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.stats
+        if stats is None:
+            return
+        name, labels = "dormant_spec_decode_", ["model_name"]
+        for quantity, value in (
+            ("num_drafts", stats.num_drafts),
+            ("num_draft_tokens", stats.num_draft_tokens),
+            ("num_accepted_tokens", stats.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(name + quantity, f"speculative {quantity}", labels=labels)
+            family.add_metric([self.model_name], value)
+            yield family
+        per_pos = CounterMetricFamily(
+            name + "num_accepted_tokens_per_pos",
+            "drafts whose token at this position was accepted",
+            labels=[*labels, "position"],
+        )
+        for position, value in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
