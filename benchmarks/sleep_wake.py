@@ -21,7 +21,7 @@ torch_memory_saver 0.0.10 runs the same sizes in hook_mode="torch", with its def
 (allocated at every pause) and with retain_cpu_backup=True (kept across cycles).
 
 Usage: python benchmarks/sleep_wake.py [--cycles 3] [--kv-rounds 8] [--out results.jsonl]
-       [--skip-tms] [--discard-orders "under copies,thread,..." | none]
+       [--skip-tms] [--kv-only] [--discard-orders "under copies,thread,..." | none]
 """
 
 from __future__ import annotations
@@ -255,7 +255,8 @@ def bench_kv(rec: Recorder, rounds: int, with_tms: bool) -> None:
     if with_tms:
         from torch_memory_saver import torch_memory_saver as tms
 
-        tms.hook_mode = "torch"
+        if getattr(tms, "_impl_ctor_kwargs", None) is not None:  # not yet initialised
+            tms.hook_mode = "torch"  # (bench_tms may have initialised it: then it is set)
         with tms.region(tag="kv_bench"):
             tms_kv = torch.empty((KV_BYTES,), dtype=torch.uint8, device="cuda")
         systems["tms"] = (lambda: tms.pause("kv_bench"), lambda: tms.resume("kv_bench"))
@@ -305,6 +306,7 @@ def main() -> None:
     parser.add_argument("--kv-rounds", type=int, default=8)
     parser.add_argument("--out", default=None, help="append JSON lines to this file")
     parser.add_argument("--skip-tms", action="store_true")
+    parser.add_argument("--kv-only", action="store_true", help="only the KV discard/restore")
     every_order = ",".join(o.value for o in DiscardOrder)
     parser.add_argument(
         "--discard-orders",
@@ -316,9 +318,10 @@ def main() -> None:
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     limits = measure_limits(rec, 8 * GiB)
-    bench_dormant(rec, args.cycles, orders)
-    if not args.skip_tms:
-        bench_tms(rec, args.cycles)
+    if not args.kv_only:
+        bench_dormant(rec, args.cycles, orders)
+        if not args.skip_tms:
+            bench_tms(rec, args.cycles)
     bench_kv(rec, args.kv_rounds, not args.skip_tms)
     for row in ratio_rows(rec.rows):
         rec.emit(**row)
