@@ -1,0 +1,105 @@
+"""Speculative decoding on the GPU (issue 19): greedy output identical to decoding without it
+(k = 1, 3, 5, self-speculation and an unrelated draft), and the seed's lifecycle with
+speculation on, CUDA graphs captured for the target's decodes: record the graph-visible
+addresses (the target's and the draft's), generate, ``sleep(2)``, ``wake_up(["weights"])``,
+``collective_rpc("reload_weights")``, ``wake_up(["kv_cache"])``, generate again: tokens
+identical, addresses unchanged, acceptance rate unchanged (100 % for self-speculation)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dormant import LLM, SamplingParams
+from dormant.engine.spec_stats import SpecDecodeStats
+from tests.engine.conftest import PROMPTS, write_checkpoint
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True)
+MiB = 1 << 20
+OPTIONS = dict(device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * MiB)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return (
+        write_checkpoint(tmp_path_factory.mktemp("spec_a"), seed=1),
+        write_checkpoint(tmp_path_factory.mktemp("spec_b"), seed=2),
+    )
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        llm.shutdown()
+
+
+def make(engines: list[LLM], target: Path, draft: Path | None = None, k: int = 3) -> LLM:
+    options: dict[str, object] = dict(OPTIONS)
+    if draft is not None:
+        options["speculative_config"] = {"model": str(draft), "num_speculative_tokens": k}
+    llm = LLM(str(target), **options)  # type: ignore[arg-type]
+    engines.append(llm)
+    return llm
+
+
+def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[int, ...]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def graph_visible(llm: LLM) -> list[tuple[int, int]]:
+    """(id, address) of every tensor a graph or a step reads at a fixed address: the target's
+    inputs, KV and graph outputs, and the draft's weights and KV."""
+    worker = llm.llm_engine.executor.worker
+    tensors = [*worker.runner.inputs.tensors()]
+    tensors += [a.kv_cache for a in worker.model.attention_layers()]
+    graphs = worker.runner.graphs
+    if graphs is not None:
+        tensors += [g.output for g in (*graphs.full.values(), *graphs.multi_step.values())]
+    draft = worker.draft
+    tensors += [*draft.model.parameters(), *(a.kv_cache for a in draft.model.attention_layers())]
+    return [(id(t), t.data_ptr()) for t in tensors]
+
+
+def acceptance(llm: LLM) -> float | None:
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats is not None
+    llm.llm_engine.spec_decode_stats = SpecDecodeStats()  # the next reading starts afresh
+    return stats.acceptance_rate
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identical_with_and_without_speculation(engines, checkpoints, k: int) -> None:
+    target, other = checkpoints
+    reference = tokens(make(engines, target))
+    self_spec = make(engines, target, target, k)
+    assert tokens(self_spec) == reference
+    assert acceptance(self_spec) == 1.0
+    unrelated = make(engines, target, other, k)
+    assert tokens(unrelated) == reference
+    rate = acceptance(unrelated)
+    assert rate is not None and rate < 0.5
+
+
+def test_lifecycle_level_2_with_speculation(engines, checkpoints) -> None:
+    target, _ = checkpoints
+    llm = make(engines, target, target, k=3)
+    worker = llm.llm_engine.executor.worker
+    assert worker.runner.graphs is not None  # the target's decode graphs were captured
+    addresses = graph_visible(llm)
+    greedy, seeded = tokens(llm), tokens(llm, SEEDED)
+    rate = acceptance(llm)
+    assert rate is not None and 0.5 < rate <= 1.0
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(["kv_cache"])
+    assert graph_visible(llm) == addresses
+    assert tokens(llm) == greedy and tokens(llm, SEEDED) == seeded
+    assert acceptance(llm) == rate
+    worker.mm.verify_guards()
