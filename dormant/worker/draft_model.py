@@ -23,9 +23,15 @@ from dormant.core.config import EngineConfig
 from dormant.core.errors import UnsupportedOptionError
 from dormant.core.speculative_config import SpeculativeConfig
 from dormant.memory import WEIGHTS, MemoryManager
-from dormant.models import build_model, iterate_safetensors, iterate_safetensors_metadata
+from dormant.models import (
+    CausalLM,
+    build_model,
+    iterate_safetensors,
+    iterate_safetensors_metadata,
+)
 from dormant.worker import ipc_weights
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
+from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.refit_record import RefitRecord
 
 DRAFT_PREFIX = "draft."
@@ -48,7 +54,13 @@ class PrefixedObserver:
 
 
 class DraftModel:
-    """The draft ``CausalLM`` of one rank (see the module docstring)."""
+    """The draft ``CausalLM`` of one rank (see the module docstring).
+
+    ``lag`` is how far the draft's positions trail the target's (``worker/spec_step.py``): 0,
+    a draft model reads tokens only (``MTPDraftModel``'s is 1)."""
+
+    lag = 0
+    hidden_cache: torch.Tensor | None = None  # MTP's; a draft model needs none
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, mm: MemoryManager) -> None:
         assert spec.draft_model_config is not None
@@ -68,7 +80,7 @@ class DraftModel:
             return None
         if spec.method != "draft_model":
             raise UnsupportedOptionError(
-                f"speculative method {spec.method!r} is not built yet; use 'draft_model'"
+                f"speculative method {spec.method!r} has no draft model; use 'draft_model'"
             )
         return cls(config, spec, mm)
 
@@ -99,6 +111,20 @@ class DraftModel:
         names = ipc_weights.apply_named_tensors(self.model, list(weights))
         return tuple(sorted(DRAFT_PREFIX + name for name in names))
 
+    def split(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """``(target's, draft's)`` of an ``update_weights`` call (``split_draft_weights``)."""
+        return split_draft_weights(weights)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None,
+        step: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """One draft pass (inside ``forward_context``): final hidden states; ``previous`` and
+        ``step`` are MTP's, unused here."""
+        return self.model(input_ids, positions)
+
     def kv_bytes_per_block(self) -> int:
         return kv_cache_spec(self.model, self.config).bytes_per_block
 
@@ -119,3 +145,16 @@ def split_draft_weights(
         else:
             target.append((name, tensor))
     return target, draft
+
+
+def create_draft(
+    config: EngineConfig, mm: MemoryManager, target: CausalLM
+) -> DraftModel | MTPDraftModel | None:
+    """The draft of ``config.speculative_config`` on this rank (None: no speculation): a draft
+    model, or the target checkpoint's MTP layers (sharing ``target``'s embedding and head)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "mtp":
+        return MTPDraftModel(config, spec, mm, target)
+    return DraftModel(config, spec, mm)

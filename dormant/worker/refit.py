@@ -24,6 +24,7 @@ from dormant.core.errors import EngineAsleepError
 from dormant.memory import RUNTIME, WEIGHTS, MemoryManager, TagState
 from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
 from dormant.worker import ipc_weights
+from dormant.worker.draft_model import DraftModel, split_draft_weights
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.update_group import DTypeLike, WeightUpdateGroups
 
@@ -49,22 +50,40 @@ class Refitter:
     """Refits the model of one rank (``tp_rank``) in place; returns the names written."""
 
     def __init__(
-        self, config: EngineConfig, mm: MemoryManager, model: Callable[[], CausalLM], tp_rank: int
+        self,
+        config: EngineConfig,
+        mm: MemoryManager,
+        model: Callable[[], CausalLM],
+        tp_rank: int,
+        draft: Callable[[], DraftModel | None] = lambda: None,
     ) -> None:
         self.config, self.mm, self._model, self.tp_rank = config, mm, model, tp_rank
+        self._draft = draft  # speculative decoding's draft model: refit with the target
         device = "cpu" if mm.backend.device.type != "cuda" else mm.backend.device
         self.groups = WeightUpdateGroups(tp_rank, device=device)
         self.ipc = IpcReceiver()  # the open handles of an IPC refit, and its buckets' plans
 
     def reload_weights(self, path: str | None = None) -> tuple[str, ...]:
-        """Re-reads the checkpoint (or re-runs the seeded init) into the existing tensors."""
+        """Re-reads the checkpoint (or re-runs the seeded init) into the existing tensors, and
+        a draft model's (``DraftModel.load``: from ``path`` too under self-speculation)."""
         self._check_writable("reload_weights")
-        return self.load_checkpoint(path or self.config.model)
+        names = self.load_checkpoint(path or self.config.model)
+        draft = self._draft()
+        if draft is not None:
+            names = _sorted((*names, *draft.load(path or self.config.model)))
+        return names
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-        """HF-named tensors (floats of any dtype, cast on copy), validated before any write."""
+        """HF-named tensors (floats of any dtype, cast on copy), validated before any write;
+        a draft model's under ``draft.`` (``worker/draft_model.py``)."""
         self._check_writable("update_weights")
-        return _sorted(ipc_weights.apply_named_tensors(self._model(), list(weights)))
+        draft = self._draft()
+        if draft is None:
+            return _sorted(ipc_weights.apply_named_tensors(self._model(), list(weights)))
+        target_weights, draft_weights = split_draft_weights(weights)
+        draft.model.check_weights([(n, t.shape, t.dtype) for n, t in draft_weights])
+        names = ipc_weights.apply_named_tensors(self._model(), target_weights)
+        return _sorted((*names, *draft.update(draft_weights)))
 
     def update_weights_from_tensor(
         self, named_tensors: TensorPayload, load_format: str | None = None

@@ -36,12 +36,14 @@ from dormant.memory import (
 )
 from dormant.memory.process_checkpoint import CommunicatorActiveError
 from dormant.models import CausalLM, ModelConfig, build_model
+from dormant.worker.draft_model import DraftModel
 from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.model_runner import ModelRunner
 from dormant.worker.refit import Refitter, check_awake
 from dormant.worker.refit_record import RefitRecord
+from dormant.worker.spec_step import SpecStep
 
 DEFAULT_HOST_KV_BYTES = 64 << 20
 
@@ -70,9 +72,11 @@ class Worker:
         self.device = self.mm.backend.device
         self._model: CausalLM | None = None
         self._runner: ModelRunner | None = None
+        self.draft: DraftModel | None = None  # speculative decoding's draft model
+        self._spec_step: SpecStep | None = None
         self.refits = RefitRecord(())  # replaced once the model is built
         self.num_kv_discards = 0  # sleeps of the KV cache: its contents are gone after each
-        self.refitter = Refitter(config, self.mm, lambda: self.model, rank)
+        self.refitter = Refitter(config, self.mm, lambda: self.model, rank, lambda: self.draft)
         self._handlers: dict[Command, Callable[..., Any]] = {
             Command.LOAD_MODEL: self.load_model,
             Command.NUM_AVAILABLE_BLOCKS: self.num_available_blocks,
@@ -141,7 +145,8 @@ class Worker:
     def load_model(self) -> tuple[str, ...]:
         """Builds the model on ``meta``, materialises it into ``weights``/``runtime``, loads it.
 
-        Returns every checkpoint name the model has (what a full refit must write).
+        Returns every checkpoint name the model has (what a full refit must write), with a
+        draft model's under ``draft.`` (``worker/draft_model.py``).
         """
         with torch.device("meta"):
             model = build_model(self.config.model_config)
@@ -149,12 +154,18 @@ class Worker:
         model.init_buffers()
         model.reset_kv_scales()
         self._model = model
-        self.refits = RefitRecord(model.expected_weight_shapes(), self._check_weights_writable)
+        draft = self.draft = DraftModel.create(self.config, self.mm)
+        names = (*model.expected_weight_shapes(), *(draft.weight_names if draft else ()))
+        self.refits = RefitRecord(names, self._check_weights_writable)
         model.weight_observer = self.refits
         self.refitter.load_checkpoint(self.config.model)
+        if draft is not None:
+            draft.attach(self.refits)
+            draft.load()
+            self.mm.guard_addresses("draft.weights", lambda: list(draft.model.parameters()))
         self.mm.guard_addresses("weights", lambda: list(model.parameters()))
         self.mm.residual.mark("the model was loaded")
-        return tuple(model.expected_weight_shapes())
+        return names
 
     def _check_weights_writable(self) -> None:
         """Every weight write, by any path (a framework's ``model.load_weights`` included),
@@ -166,17 +177,19 @@ class Worker:
         return all_reduce_min(self._local_num_blocks())
 
     def _local_num_blocks(self) -> int:
-        spec = kv_cache_spec(self.model, self.config)
+        """A block's bytes are the target's and the draft's: both index the same blocks."""
+        per_block = kv_cache_spec(self.model, self.config).bytes_per_block
+        per_block += self.draft.kv_bytes_per_block() if self.draft is not None else 0
         config = self.config
         if config.num_gpu_blocks_override is not None:
             return config.num_gpu_blocks_override
         if config.kv_cache_memory_bytes is not None:
-            return spec.num_blocks_for(config.kv_cache_memory_bytes)
+            return max(config.kv_cache_memory_bytes, 0) // per_block
         if self.mm.backend.device.type != "cuda":
-            return spec.num_blocks_for(DEFAULT_HOST_KV_BYTES)
+            return DEFAULT_HOST_KV_BYTES // per_block
         free, total = torch.cuda.mem_get_info(self.mm.backend.device)
         budget = free - (1.0 - config.gpu_memory_utilization) * total - self._activation_bytes()
-        return spec.num_blocks_for(int(budget))
+        return max(int(budget), 0) // per_block
 
     def init_kv_cache(self, num_blocks: int) -> int:
         """Allocates ``num_blocks`` KV blocks plus one null block (id ``num_blocks``, owned by
@@ -191,6 +204,13 @@ class Worker:
             "kv_cache", lambda: [a.checked_cache() for a in model.attention_layers()]
         )
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
+        if self.draft is not None:
+            draft, spec = self.draft, self.config.speculative_config
+            draft.allocate_kv_cache(num_blocks + 1)
+            layers = draft.model.attention_layers()
+            self.mm.guard_addresses("draft.kv_cache", lambda: [a.checked_cache() for a in layers])
+            assert spec is not None
+            self._spec_step = SpecStep(self.runner, draft, spec)
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_graphs()
         if self.config.enable_sleep_mode and self.config.prepare_sleep_arena:
@@ -202,6 +222,8 @@ class Worker:
         return self.runner.execute_multi_step(step)
 
     def execute(self, step: StepInput) -> StepOutput:
+        if self._spec_step is not None:
+            return self._spec_step.execute(step)
         return self.runner.execute(step)
 
     def sleep(
@@ -292,10 +314,11 @@ class Worker:
         """Drops the model, KV cache and runner so their memory returns now, then closes the
         memory manager (the device can host another engine afterwards)."""
         self.mm.context.restore()  # the frees below need the device
-        if self._model is not None:
-            for layer in self._model.attention_layers():
+        draft_model = None if self.draft is None else self.draft.model
+        for owner in (self._model, draft_model):
+            for layer in owner.attention_layers() if owner is not None else ():
                 layer.kv_cache = None
-        self._model, self._runner = None, None
+        self._model, self._runner, self.draft, self._spec_step = None, None, None, None
         self.refitter.groups.destroy_all()
         gc.collect()
         if self.mm.backend.device.type == "cuda":
