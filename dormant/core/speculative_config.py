@@ -34,6 +34,7 @@ from typing import Any, Literal, get_args
 
 from dormant.core.errors import UnsupportedOptionError
 from dormant.models import ModelConfig
+from dormant.models.mtp import MTP_ARCHITECTURES, num_mtp_layers
 
 SpeculativeMethod = Literal["draft_model", "mtp"]
 DraftSampleMethod = Literal["greedy", "probabilistic"]
@@ -115,6 +116,12 @@ class SpeculativeConfig:
                 raise UnsupportedOptionError(
                     "method 'mtp' takes its MTP layers from the target's checkpoint; drop "
                     f"'model' ({model!r}) or use method 'draft_model'"
+                )
+            if num_mtp_layers(target_config) == 0:
+                raise UnsupportedOptionError(
+                    f"method 'mtp' needs a checkpoint whose config carries MTP layers in a layout "
+                    f"dormant builds ({', '.join(MTP_ARCHITECTURES)} with "
+                    f"num_nextn_predict_layers >= 1); {target_config.architecture} has none"
                 )
             return cls("mtp", k, draft_sample_method=sample_method)
         if model is None:

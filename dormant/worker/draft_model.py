@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from dormant.core.config import EngineConfig
-from dormant.core.errors import UnsupportedOptionError
 from dormant.core.speculative_config import SpeculativeConfig
 from dormant.memory import WEIGHTS, MemoryManager
 from dormant.models import (
@@ -71,18 +70,6 @@ class DraftModel:
         model.init_buffers()
         model.reset_kv_scales()
         self.model = model
-
-    @classmethod
-    def create(cls, config: EngineConfig, mm: MemoryManager) -> DraftModel | None:
-        """The draft of ``config``'s ``speculative_config``, or None (no draft model)."""
-        spec = config.speculative_config
-        if spec is None:
-            return None
-        if spec.method != "draft_model":
-            raise UnsupportedOptionError(
-                f"speculative method {spec.method!r} has no draft model; use 'draft_model'"
-            )
-        return cls(config, spec, mm)
 
     @property
     def weight_names(self) -> tuple[str, ...]:

@@ -24,8 +24,9 @@ from dormant.core.errors import EngineAsleepError
 from dormant.memory import RUNTIME, WEIGHTS, MemoryManager, TagState
 from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
 from dormant.worker import ipc_weights
-from dormant.worker.draft_model import DraftModel, split_draft_weights
+from dormant.worker.draft_model import DraftModel
 from dormant.worker.ipc_receiver import IpcReceiver
+from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.update_group import DTypeLike, WeightUpdateGroups
 
 # Serialized entries (one per TP rank, or one for all), or named tensors in-process.
@@ -55,7 +56,7 @@ class Refitter:
         mm: MemoryManager,
         model: Callable[[], CausalLM],
         tp_rank: int,
-        draft: Callable[[], DraftModel | None] = lambda: None,
+        draft: Callable[[], DraftModel | MTPDraftModel | None] = lambda: None,
     ) -> None:
         self.config, self.mm, self._model, self.tp_rank = config, mm, model, tp_rank
         self._draft = draft  # speculative decoding's draft model: refit with the target
@@ -75,12 +76,13 @@ class Refitter:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
         """HF-named tensors (floats of any dtype, cast on copy), validated before any write;
-        a draft model's under ``draft.`` (``worker/draft_model.py``)."""
+        a draft model's under ``draft.`` (``worker/draft_model.py``), MTP layers' under their
+        checkpoint names (``worker/mtp_draft.py``)."""
         self._check_writable("update_weights")
         draft = self._draft()
         if draft is None:
             return _sorted(ipc_weights.apply_named_tensors(self._model(), list(weights)))
-        target_weights, draft_weights = split_draft_weights(weights)
+        target_weights, draft_weights = draft.split(weights)
         draft.model.check_weights([(n, t.shape, t.dtype) for n, t in draft_weights])
         names = ipc_weights.apply_named_tensors(self._model(), target_weights)
         return _sorted((*names, *draft.update(draft_weights)))

@@ -11,6 +11,7 @@ only token *values* (the drafts) are written on the device.
 | array (int64)       | shape                      | what                                     |
 |---------------------|----------------------------|------------------------------------------|
 | catch-up input ids  | [T0]                       | each row's draft prefix, then its tokens |
+|                     |                            | (MTP: shifted by one, see below)         |
 | catch-up last       | [n_spec]                   | index of each drafting row's last token  |
 | pass i's rows       | [n_i]                      | drafting rows (of n_spec) with j > i     |
 | target draft slots  | [sum j]                    | where drafts go in the target's input ids|
@@ -19,6 +20,11 @@ only token *values* (the drafts) are written on the device.
 |                     |                            | (past a row's j: its last, repeated)     |
 | target plain logits | [n_plain]                  | hidden row of each plain row's last token|
 | max emitted         | [n_spec]                   | j + 1                                    |
+
+A draft with ``lag = 1`` (MTP) computes position ``p`` from the target's hidden state there and
+the token at ``p + 1``: its catch-up covers ``draft_start .. start_position - 1`` (positions the
+target computed in earlier steps, whose hidden states are cached), with the tokens one further;
+rows with nothing there are left out of it; its ``i``-th chained pass is at ``start + i - 1``.
 """
 
 from __future__ import annotations
@@ -105,7 +111,7 @@ class SpecLayout:
     plain_rows: tuple[int, ...]
     num_drafts: tuple[int, ...]  # j of each spec row
     max_drafts: int  # k_max
-    catch_up: PassLayout
+    catch_up: PassLayout | None  # None: no row has anything to catch up (MTP only)
     catch_up_ids: np.ndarray
     catch_up_last: np.ndarray
     chained: tuple[tuple[PassLayout, np.ndarray], ...]  # pass i = 1 .. k_max - 1, its rows
@@ -116,22 +122,34 @@ class SpecLayout:
     max_emitted: np.ndarray
 
     @classmethod
-    def of(cls, seqs: SequenceOf[SeqInput], block_size: int) -> SpecLayout:
+    def of(cls, seqs: SequenceOf[SeqInput], block_size: int, lag: int = 0) -> SpecLayout:
         spec_rows = tuple(r for r, s in enumerate(seqs) if s.num_draft_tokens)
         plain_rows = tuple(r for r, s in enumerate(seqs) if not s.num_draft_tokens)
         num_drafts = tuple(seqs[r].num_draft_tokens for r in spec_rows)
         k_max = max(num_drafts, default=0)
         tables = [s.block_table for s in seqs]
         draft_ids = [(*s.draft_prefix_token_ids, *s.token_ids) for s in seqs]
-        lengths = np.fromiter((len(t) for t in draft_ids), np.int64, len(seqs))
-        starts = np.fromiter((s.draft_start for s in seqs), np.int64, len(seqs))
-        catch_up = PassLayout.of(starts, lengths, tables, block_size)
+        if lag:  # positions draft_start .. start - 1, each with the token after it
+            draft_ids = [ids[1 : 1 + s.start_position - s.draft_start] for ids, s in
+                         zip(draft_ids, seqs, strict=True)]  # fmt: skip
+        members = [r for r, ids in enumerate(draft_ids) if ids]
+        lengths = np.fromiter((len(draft_ids[r]) for r in members), np.int64, len(members))
+        starts = np.fromiter((seqs[r].draft_start for r in members), np.int64, len(members))
+        catch_up = None
+        if members:
+            catch_up = PassLayout.of(starts, lengths, [tables[r] for r in members], block_size)
+        pass_row = {row: n for n, row in enumerate(members)}
+        catch_up_last = np.zeros(0, np.int64)
+        if spec_rows:
+            assert catch_up is not None, "every drafting row has a position to draft from"
+            ends = catch_up.query_start_loc[1:] - 1
+            catch_up_last = ends[[pass_row[r] for r in spec_rows]]
         chained = []
         spec_starts = np.asarray([seqs[r].start_position for r in spec_rows], np.int64)
         for i in range(1, k_max):
             rows = np.asarray([n for n, j in enumerate(num_drafts) if j > i], np.int64)
             layout = PassLayout.of(
-                spec_starts[rows] + i,
+                spec_starts[rows] + i - lag,
                 np.ones(len(rows), np.int64),
                 [tables[spec_rows[n]] for n in rows],
                 block_size,
@@ -156,7 +174,7 @@ class SpecLayout:
             max_drafts=k_max,
             catch_up=catch_up,
             catch_up_ids=np.fromiter((t for ids in draft_ids for t in ids), np.int64),
-            catch_up_last=catch_up.query_start_loc[1:][list(spec_rows)] - 1,
+            catch_up_last=catch_up_last,
             chained=tuple(chained),
             target_draft_slots=np.concatenate([empty, *slots]),
             target_draft_source=np.concatenate([empty, *source]),
@@ -167,7 +185,8 @@ class SpecLayout:
 
     def arrays(self) -> list[np.ndarray]:
         """Everything to stage, in the order ``unpack`` reads it back."""
-        arrays = [*self.catch_up.arrays(), self.catch_up_ids, self.catch_up_last]
+        catch_up = [] if self.catch_up is None else self.catch_up.arrays()
+        arrays = [*catch_up, self.catch_up_ids, self.catch_up_last]
         for layout, rows in self.chained:
             arrays += [*layout.arrays(), rows]
         return [

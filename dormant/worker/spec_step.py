@@ -43,6 +43,7 @@ from dormant.worker.draft_model import DraftModel
 from dormant.worker.input_buffers import Staging
 from dormant.worker.logprobs import HostCopy, packed_logprobs, unpack_logprobs
 from dormant.worker.model_runner import ModelRunner, _max_logprobs
+from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.rejection_sampler import draft_sample, verify
 from dormant.worker.sampler import SamplingTensors, processed_logits
 from dormant.worker.spec_inputs import PassLayout, SpecLayout
@@ -53,7 +54,9 @@ _PASS_ARRAYS = 5  # PassLayout.arrays()
 class SpecStep:
     """Runs steps with drafts (``execute``) over the runner's target and ``draft``."""
 
-    def __init__(self, runner: ModelRunner, draft: DraftModel, spec: SpeculativeConfig) -> None:
+    def __init__(
+        self, runner: ModelRunner, draft: DraftModel | MTPDraftModel, spec: SpeculativeConfig
+    ) -> None:
         self.runner, self.draft, self.spec = runner, draft, spec
         self.device = runner.device
         self.vocab_size = runner.vocab_size
@@ -63,13 +66,14 @@ class SpecStep:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        layout = SpecLayout.of(step.seqs, self.block_size)
+        lag = self.draft.lag
+        layout = SpecLayout.of(step.seqs, self.block_size, lag)
         views, _ = self._staging.stage(layout.arrays())
         drafts, probs = self._draft(step.seqs, layout, views)
-        if not layout.spec_rows:  # nothing to verify: the target's step as without drafts
+        if not layout.spec_rows and self.draft.hidden_cache is None:
+            # nothing to verify, no hidden state to keep: the target's step as without drafts
             output = self.runner.execute(step)
-            computed = [s.seq_len for s in step.seqs]
-            return _with_draft_computed(output, computed)
+            return _with_draft_computed(output, [s.seq_len for s in step.seqs])
         return self._verify(step, layout, views[-5:], drafts, probs)
 
     # ── drafting ──────────────────────────────────────────────────────────────────────────────
@@ -81,39 +85,52 @@ class SpecStep:
         0 past a row's ``j``) and, for "probabilistic" drafts of random rows, the
         distributions they were drawn from (float32 [n_spec, k_max, V]; point masses on the
         padding)."""
-        model = self.draft.model
-        positions, meta = layout.catch_up.metadata(views[:_PASS_ARRAYS])
-        ids, last = views[_PASS_ARRAYS], views[_PASS_ARRAYS + 1]
-        with forward_context(meta):
-            hidden = model(ids, positions)
+        draft = self.draft
         num_spec, k_max = len(layout.spec_rows), layout.max_drafts
         drafts = torch.zeros((num_spec, k_max), dtype=torch.int64, device=self.device)
+        offset = 0
+        hidden = None
+        if layout.catch_up is not None:
+            positions, meta = layout.catch_up.metadata(views[:_PASS_ARRAYS])
+            offset = _PASS_ARRAYS
+            previous = self._cached_hidden(meta.slot_mapping)
+            with forward_context(meta):
+                hidden = draft.forward(views[offset], positions, previous, 0)
+        last = views[offset + 1]
+        offset += 2
         if not num_spec:
             return drafts, None
+        assert hidden is not None
         spec_seqs = [seqs[r] for r in layout.spec_rows]
         sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
         probs = None
         if self.spec.draft_sample_method == "probabilistic" and not sampling.is_all_greedy:
             probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
             probs[..., 0] = 1.0  # the padding's point mass
-        tokens, row_probs = self._sample(model.compute_logits(hidden[last]), sampling, 0)
+        latest = hidden[last]  # each drafting row's newest hidden state (MTP's next input)
+        tokens, row_probs = self._sample(draft.model.compute_logits(latest), sampling, 0)
         drafts[:, 0] = tokens
         if probs is not None and row_probs is not None:
             probs[:, 0] = row_probs
-        offset = _PASS_ARRAYS + 2
         for i, (pass_layout, _) in enumerate(layout.chained, start=1):
             pass_views = views[offset : offset + _PASS_ARRAYS + 1]
             offset += _PASS_ARRAYS + 1
             rows = pass_views[-1]
             positions, meta = pass_layout.metadata(pass_views[:_PASS_ARRAYS])
             with forward_context(meta):
-                hidden = model(drafts[rows, i - 1], positions)
+                hidden = draft.forward(drafts[rows, i - 1], positions, latest[rows], i)
+            latest = latest.index_copy(0, rows, hidden)
             subset = _select(sampling, rows)
-            tokens, row_probs = self._sample(model.compute_logits(hidden), subset, i)
+            tokens, row_probs = self._sample(draft.model.compute_logits(hidden), subset, i)
             drafts[rows, i] = tokens
             if probs is not None and row_probs is not None:
                 probs[rows, i] = row_probs
         return drafts, probs
+
+    def _cached_hidden(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """The target's hidden states at ``slots`` (MTP's hidden cache), or None."""
+        cache = self.draft.hidden_cache
+        return None if cache is None else cache.view(-1, cache.shape[-1])[slots]
 
     def _sample(
         self, logits: torch.Tensor, sampling: SamplingTensors, offset: int
@@ -144,19 +161,24 @@ class SpecStep:
         input_ids[draft_slots] = drafts.view(-1)[draft_source]
         with forward_context(meta):
             hidden = runner.model(input_ids[:num_tokens], runner.inputs.positions[:num_tokens])
+        cache = self.draft.hidden_cache
+        if cache is not None:  # MTP reads it in later steps
+            cache.view(-1, cache.shape[-1])[meta.slot_mapping] = hidden.to(cache.dtype)
         spec_seqs = [seqs[r] for r in layout.spec_rows]
         plain_seqs = [seqs[r] for r in layout.plain_rows]
         k_max, num_spec = layout.max_drafts, len(spec_seqs)
-        logits = runner.model.compute_logits(hidden[spec_index])
-        sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
-        if probs is None and not sampling.is_all_greedy:  # greedy drafts: point masses
-            probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
-            probs.scatter_(-1, drafts[..., None], 1.0)
-        logits = logits.view(num_spec, k_max + 1, -1)
-        emitted, num_emitted = verify(logits, drafts, probs, sampling)
-        num_emitted = torch.minimum(num_emitted, max_emitted)
-        parts = [emitted, num_emitted]
-        spec_logprobs = self._spec_logprobs(spec_seqs, logits, emitted, k_max)
+        parts: list[torch.Tensor] = []
+        spec_logprobs = None
+        if spec_seqs:
+            logits = runner.model.compute_logits(hidden[spec_index])
+            sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
+            if probs is None and not sampling.is_all_greedy:  # greedy drafts: point masses
+                probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
+                probs.scatter_(-1, drafts[..., None], 1.0)
+            logits = logits.view(num_spec, k_max + 1, -1)
+            emitted, num_emitted = verify(logits, drafts, probs, sampling)
+            parts += [emitted, torch.minimum(num_emitted, max_emitted)]
+            spec_logprobs = self._spec_logprobs(spec_seqs, logits, emitted, k_max)
         plain_tokens, plain_logprobs = None, None
         if plain_seqs:
             plain_tokens, plain_logprobs = runner._sample(
@@ -187,6 +209,16 @@ class SpecStep:
             sampling = SamplingTensors.from_sequences(per_position, self.vocab_size, self.device)
             flat = processed_logits(flat, sampling)
         return packed_logprobs(flat, emitted.clamp(min=0).reshape(-1), num_top, mode)
+
+    def _draft_computed(self, seq: SeqInput, num_emitted: int) -> int:
+        """The row's positions with exact draft KV after the step: a draft model's catch-up
+        reached the row's end, and its chained KV holds where the drafts were accepted; MTP's
+        catch-up reached ``start_position`` (its chained passes used its own hidden states)."""
+        if self.draft.lag:
+            return seq.start_position
+        if not seq.num_draft_tokens:
+            return seq.seq_len
+        return seq.seq_len + min(num_emitted - 1, seq.num_draft_tokens - 1)
 
     def _outputs(
         self,
@@ -227,7 +259,7 @@ class SpecStep:
             lps = None
             if spec_entries is not None and seq.params.logprobs is not None:
                 lps = tuple(spec_entries[n * width : n * width + count])
-            computed = seq.seq_len + min(count - 1, seq.num_draft_tokens - 1)
+            computed = self._draft_computed(seq, count)
             outputs[row] = SeqOutput(tuple(emitted[n][:count]), lps, None, computed)
         next_prompt = 0
         for n, row in enumerate(layout.plain_rows):
@@ -240,7 +272,9 @@ class SpecStep:
                 count = len(seq.token_ids) - 1
                 seq_prompt = tuple(prompt_entries[next_prompt : next_prompt + count])
                 next_prompt += count
-            outputs[row] = SeqOutput((plain_tokens[n],), lps, seq_prompt, seq.seq_len)
+            outputs[row] = SeqOutput(
+                (plain_tokens[n],), lps, seq_prompt, self._draft_computed(seq, 1)
+            )
         return StepOutput(tuple(o for o in outputs if o is not None))
 
 

@@ -36,11 +36,12 @@ from dormant.memory import (
 )
 from dormant.memory.process_checkpoint import CommunicatorActiveError
 from dormant.models import CausalLM, ModelConfig, build_model
-from dormant.worker.draft_model import DraftModel
+from dormant.worker.draft_model import DraftModel, create_draft
 from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.model_runner import ModelRunner
+from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.refit import Refitter, check_awake
 from dormant.worker.refit_record import RefitRecord
 from dormant.worker.spec_step import SpecStep
@@ -72,7 +73,7 @@ class Worker:
         self.device = self.mm.backend.device
         self._model: CausalLM | None = None
         self._runner: ModelRunner | None = None
-        self.draft: DraftModel | None = None  # speculative decoding's draft model
+        self.draft: DraftModel | MTPDraftModel | None = None  # speculative decoding's draft
         self._spec_step: SpecStep | None = None
         self.refits = RefitRecord(())  # replaced once the model is built
         self.num_kv_discards = 0  # sleeps of the KV cache: its contents are gone after each
@@ -154,7 +155,7 @@ class Worker:
         model.init_buffers()
         model.reset_kv_scales()
         self._model = model
-        draft = self.draft = DraftModel.create(self.config, self.mm)
+        draft = self.draft = create_draft(self.config, self.mm, model)
         names = (*model.expected_weight_shapes(), *(draft.weight_names if draft else ()))
         self.refits = RefitRecord(names, self._check_weights_writable)
         model.weight_observer = self.refits
@@ -208,7 +209,10 @@ class Worker:
             draft, spec = self.draft, self.config.speculative_config
             draft.allocate_kv_cache(num_blocks + 1)
             layers = draft.model.attention_layers()
-            self.mm.guard_addresses("draft.kv_cache", lambda: [a.checked_cache() for a in layers])
+            hidden = [] if draft.hidden_cache is None else [draft.hidden_cache]
+            self.mm.guard_addresses(
+                "draft.kv_cache", lambda: [*(a.checked_cache() for a in layers), *hidden]
+            )
             assert spec is not None
             self._spec_step = SpecStep(self.runner, draft, spec)
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:

@@ -1,0 +1,153 @@
+"""Speculative decoding with MTP layers (``{"method": "mtp"}``, Xiaomi MiMo's layout), on the
+CPU: greedy output identical to decoding without it (k = 1, 3, 5); each step's first draft is
+what the MTP layer predicts from the target's hidden states (a plain-torch reference, which
+checks the hidden cache the drafts read across steps); a level-2 sleep leaves the MTP layers
+stale until refit, and reload_weights brings back the very same drafts."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dormant import LLM, SamplingParams
+from dormant.core.errors import UnsupportedOptionError, WeightsNotLoadedError
+from dormant.models import ModelConfig, iterate_safetensors
+from dormant.worker import spec_step
+from tests.engine.conftest import tokens
+
+# tests/models is not a package: its modules import each other by their plain names
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from test_mtp import _hf_pre_norm_hidden, reference_mtp
+from tiny_mimo import save_tiny_mimo
+
+OPTIONS = dict(
+    device="cpu", max_model_len=128, max_num_seqs=8, kv_cache_memory_bytes=4 << 20,
+    skip_tokenizer_init=True,
+)  # fmt: skip
+PROMPTS = [[5, 17, 99, 3, 50, 42], [7, 7, 7], list(range(10, 40))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, dict]:
+    path = tmp_path_factory.mktemp("mimo_engine")
+    hf_model, tensors = save_tiny_mimo(path, num_mtp_layers=1)
+    return path, hf_model, tensors
+
+
+@pytest.fixture(scope="module")
+def reference(mimo: tuple) -> list[tuple[int, ...]]:
+    llm = LLM(str(mimo[0]), **OPTIONS)
+    try:
+        return tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+
+
+def _prompts() -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": p} for p in PROMPTS]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        llm.shutdown()
+
+
+def make(engines: list[LLM], path: Path, k: int = 3) -> LLM:
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    llm = LLM(str(path), speculative_config=spec, **OPTIONS)
+    engines.append(llm)
+    return llm
+
+
+@pytest.fixture
+def first_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(context length, prompt's first token, first draft) of every drafting row of every step."""
+    seen: list[tuple[int, int, int]] = []
+    original = spec_step.SpecStep._draft
+
+    def spy(self, seqs, layout, views):  # type: ignore[no-untyped-def]
+        drafts, probs = original(self, seqs, layout, views)
+        for n, row in enumerate(layout.spec_rows):
+            seq = seqs[row]
+            seen.append((seq.seq_len, seq.draft_start, int(drafts[n, 0])))
+        return drafts, probs
+
+    monkeypatch.setattr(spec_step.SpecStep, "_draft", spy)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identical_with_mtp(engines, mimo, reference, k: int) -> None:
+    llm = make(engines, mimo[0], k)
+    assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats is not None and stats.num_drafts > 0
+
+
+def test_first_drafts_are_the_mtp_layers_prediction(engines, mimo, first_drafts) -> None:
+    """One request at a time, so each step's drafting row is known: its context is the prompt
+    and the outputs so far. d_1 predicts position L from h_{L-2} and the token at L - 1."""
+    path, hf_model, tensors = mimo
+    llm = make(engines, path, k=3)
+    config = ModelConfig.from_pretrained(str(path))
+    checked = 0
+    for prompt in PROMPTS:
+        first_drafts.clear()
+        output = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        context = [*prompt, *output.outputs[0].token_ids]
+        for length, _, draft in first_drafts:
+            seq = context[:length]  # L tokens; the newest is at L - 1
+            with torch.no_grad():
+                hidden = _hf_pre_norm_hidden(hf_model, seq[:-1])  # h_0 .. h_{L-2}
+                logits = reference_mtp(tensors, 0, config, torch.tensor(seq[1:]), hidden)
+            assert draft == int(logits[-1].argmax())
+            checked += 1
+    assert checked >= 10
+
+
+def test_level_2_sleep_and_refit_of_the_mtp_layers(engines, mimo, first_drafts) -> None:
+    path = mimo[0]
+    llm = make(engines, path, k=3)
+    before = tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False))
+    drafts_before = list(first_drafts)
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    target_only = [(n, t) for n, t in iterate_safetensors(str(path)) if "mtp_layers" not in n]
+    llm.update_weights(target_only)
+    llm.wake_up(["kv_cache"])
+    with pytest.raises(WeightsNotLoadedError, match="mtp_layers"):
+        llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    llm.collective_rpc("reload_weights")
+    first_drafts.clear()
+    assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == before
+    assert first_drafts == drafts_before  # the same drafts: the MTP layers were refit
+
+
+def test_mtp_names_refit_the_mtp_layers(engines, mimo, first_drafts) -> None:
+    path = mimo[0]
+    llm = make(engines, path, k=2)
+    before = tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False))
+    drafts_before = list(first_drafts)
+    mtp = [(n, t) for n, t in iterate_safetensors(str(path)) if "mtp_layers" in n]
+    llm.update_weights([(n, torch.zeros_like(t)) for n, t in mtp])
+    first_drafts.clear()
+    assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == before
+    assert first_drafts != drafts_before  # zeroed layers draft something else
+    llm.update_weights(mtp)
+    first_drafts.clear()
+    llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert first_drafts == drafts_before
+
+
+def test_mtp_needs_a_checkpoint_with_mtp_layers(checkpoint: Path) -> None:
+    with pytest.raises(UnsupportedOptionError, match="MTP layers"):
+        LLM(str(checkpoint), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+            **OPTIONS)  # fmt: skip
