@@ -23,10 +23,11 @@ request being generated or held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from dormant.core.errors import EngineAsleepError, EngineDeadError
@@ -88,7 +89,7 @@ class EngineLoop:
         future = future or Future()
         with self._stop_lock:
             if self._is_stopped:
-                future.set_exception(EngineDeadError("the engine was shut down"))
+                _answer(future, error=EngineDeadError("the engine was shut down"))
                 return future
             self._commands.put((fn, future))
         return future
@@ -152,13 +153,15 @@ class EngineLoop:
                 return
 
     def _run_command(self, fn: Callable[[], Any], future: Future[Any]) -> None:
+        """Runs ``fn`` even when its caller has gone (a held add must still run, to drop
+        itself), and answers the caller if it still waits."""
         try:
             result = fn()
         except BaseException as error:
-            future.set_exception(error)
+            _answer(future, error=error)
             return
         if result is not _DEFERRED:
-            future.set_result(result)
+            _answer(future, result)
 
     # ── the gate: draining before a wait-mode sleep, pause or refit ──────────────────────────
 
@@ -179,7 +182,7 @@ class EngineLoop:
         if self._drain_waiters and not self._can_step():
             waiters, self._drain_waiters = self._drain_waiters, []
             for waiter in waiters:
-                waiter.set_result(None)
+                _answer(waiter, None)
 
     # ── stopping ─────────────────────────────────────────────────────────────────────────────
 
@@ -189,7 +192,7 @@ class EngineLoop:
         self.engine.abort_request()
         self.requests.fail_all(EngineDeadError("the engine was shut down"))
         for _, future in self._held:
-            future.set_exception(EngineDeadError("the engine was shut down"))
+            _answer(future, error=EngineDeadError("the engine was shut down"))
         self._held.clear()
 
     def _drain_commands_after_stop(self) -> None:
@@ -198,4 +201,14 @@ class EngineLoop:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(EngineDeadError("the engine was shut down"))
+            _answer(future, error=EngineDeadError("the engine was shut down"))
+
+
+def _answer(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Resolves ``future`` unless its caller cancelled it (a request's task cancelled while its
+    add was held): then nobody waits, and resolving it would raise in the loop."""
+    with contextlib.suppress(InvalidStateError):
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)

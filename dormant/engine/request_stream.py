@@ -48,6 +48,7 @@ async def stream_outputs(
     tracked = TrackedRequest(user_id, listener, kind is not RequestOutputKind.FINAL_ONLY)
     finished = is_added = False
     sent: SentCounts = []
+    requests.expect(user_id)
     try:
         await engine_loop.call(lambda: requests.add(request, tracked), holdable=True)
         is_added = True
@@ -66,6 +67,8 @@ async def stream_outputs(
             finished = True  # refused when added: there is nothing to abort
         raise
     finally:
+        if finished and not is_added:
+            requests.forget(user_id)  # refused, or the loop never ran the add
         if not finished:  # cancelled or closed: no awaiting here, just queue the abort
             engine_loop.submit(lambda: requests.abort_users([user_id]))
 

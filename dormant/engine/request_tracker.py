@@ -3,17 +3,20 @@
 ``AsyncLLM.generate`` callers name requests by their own ids; the engine names them by the id
 its ``add_request`` returns. The tracker maps one to the other and hands each listener its
 request's outputs, progress and errors. Only the loop thread calls it (the engine is not
-thread-safe), so it takes no lock.
+thread-safe), except ``expect`` and ``forget``, which callers use around queueing their add;
+those take a lock of their own.
 
 Invariants: ``_tracked`` and ``_user_ids`` hold the same requests (keyed by engine id and by
 caller id); a request leaves both when its finished output is delivered or it fails.
-``_cancelled`` holds caller ids aborted before their add ran (held behind a closed gate).
+``_pending`` holds caller ids whose add is queued and has not run (it may be held behind the
+loop's closed gate); ``_cancelled`` holds those of them that were aborted before it ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,18 +42,31 @@ class RequestTracker:
         self.engine = engine
         self._tracked: dict[str, TrackedRequest] = {}  # str(engine request id) → who listens
         self._user_ids: dict[str, str] = {}
-        self._cancelled: set[str] = set()  # ids aborted before their held add ran
+        self._cancelled: set[str] = set()  # pending ids aborted before their add ran
+        self._pending: set[str] = set()
+        self._pending_lock = threading.Lock()
 
     @property
     def num_tracked(self) -> int:
         """Requests added and not yet finished (readable off the loop: an instant's count)."""
         return len(self._tracked)
 
+    def expect(self, user_id: str) -> None:
+        """Records that ``user_id``'s add is about to be queued (any thread)."""
+        with self._pending_lock:
+            self._pending.add(user_id)
+
+    def forget(self, user_id: str) -> None:
+        """Drops ``user_id``'s pending add, which will never run (any thread)."""
+        with self._pending_lock:
+            self._pending.discard(user_id)
+
     def add(self, request: Any, tracked: TrackedRequest) -> Any:
         """Adds ``request`` (a ``RequestInput``, or ``(prompt, params)`` for engines without
         ``make_request_input``) and returns the engine's id for it. Raises, adding nothing,
         if the caller's id is in flight or was aborted while held, or if the engine cannot
         generate (asleep or stale weights; a pause alone lets the request wait)."""
+        self.forget(tracked.user_id)
         if tracked.user_id in self._cancelled:  # aborted while it was held
             self._cancelled.discard(tracked.user_id)
             raise asyncio.CancelledError(f"request {tracked.user_id!r} was aborted")
@@ -95,10 +111,12 @@ class RequestTracker:
             self.deliver(self.engine.abort_request(ids))
 
     def abort_users(self, user_ids: Sequence[str]) -> None:
-        """Aborts by the callers' ids; one still held behind the gate is dropped there."""
+        """Aborts by the callers' ids; one whose add has not run yet (held behind the gate) is
+        dropped when it runs. An id that finished or was never added changes nothing."""
         keys = [self._user_ids[i] for i in user_ids if i in self._user_ids]
         self.abort_engine_ids([self._tracked[k].engine_id for k in keys])
-        self._cancelled.update(i for i in user_ids if i not in self._user_ids)
+        with self._pending_lock:
+            self._cancelled.update(i for i in user_ids if i in self._pending)
 
     def ids_with_tokens(self) -> list[Any]:
         """Requests that already generated tokens (the ones a refit would mix)."""

@@ -339,3 +339,48 @@ def test_output_kind_comes_from_the_sampling_params(engine) -> None:
     params.output_kind = RequestOutputKind.DELTA
     outputs = asyncio.run(collect(engine, PROMPTS[0], params, "k"))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 6
+
+
+def test_an_id_is_free_again_once_its_request_was_aborted(engine, slow_steps) -> None:
+    """Regression: aborting a running request (closing its stream) or an id that was never
+    added marked the id cancelled for good, so the next request by that id raised
+    CancelledError, and the set of cancelled ids grew with every abort."""
+
+    async def run() -> tuple[str | None, str | None]:
+        stream = engine.generate(PROMPTS[0], greedy(200), "again")
+        await anext(stream)
+        await stream.aclose()
+        await engine.abort("never-added")
+        while await engine.call(engine.engine.has_unfinished_requests):
+            await asyncio.sleep(0.01)
+        reused = await collect(engine, PROMPTS[0], greedy(4), "again")
+        fresh = await collect(engine, PROMPTS[0], greedy(4), "never-added")
+        return reused[-1].outputs[0].finish_reason, fresh[-1].outputs[0].finish_reason
+
+    assert asyncio.run(run()) == ("length", "length")
+    assert not engine._requests._cancelled and not engine._requests._pending
+
+
+def test_a_held_request_aborted_before_its_add_is_never_added(engine, slow_steps) -> None:
+    """A request that arrives while a ``wait`` pause drains is held behind the gate; aborted
+    there, it is dropped when the gate opens, and its id is free afterwards."""
+
+    async def run() -> tuple[int, str | None]:
+        (running,) = await first_tokens_then(engine, greedy(16), PROMPTS[:1])
+        pause = asyncio.create_task(engine.pause_generation(mode="wait"))
+        while not engine._engine_loop.num_held and not pause.done():
+            held = asyncio.create_task(collect(engine, PROMPTS[1], greedy(4), "held"))
+            await asyncio.sleep(0.05)
+            if not engine._engine_loop.num_held:
+                held.cancel()
+        assert not pause.done() and engine._engine_loop.num_held == 1
+        held.cancel()
+        await pause  # the drain ends: the gate opens and the held add runs, cancelled
+        await engine.resume_generation()
+        await running
+        num_left = await engine.call(lambda: len(engine._requests._user_ids))
+        again = await collect(engine, PROMPTS[1], greedy(4), "held")
+        return num_left, again[-1].outputs[0].finish_reason
+
+    assert asyncio.run(run()) == (0, "length")
+    assert not engine._requests._cancelled and not engine._requests._pending
