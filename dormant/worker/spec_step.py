@@ -37,16 +37,18 @@ import torch
 
 from dormant.core.speculative_config import SpeculativeConfig
 from dormant.core.step_input import SeqInput, StepInput
-from dormant.core.step_output import SeqOutput, StepOutput, TokenLogprobs
+from dormant.core.step_output import StepOutput
 from dormant.layers.context import forward_context
+from dormant.worker.draft_decoder import DraftDecoder
 from dormant.worker.draft_model import DraftModel
 from dormant.worker.input_buffers import Staging
-from dormant.worker.logprobs import HostCopy, packed_logprobs, unpack_logprobs
+from dormant.worker.logprobs import HostCopy, packed_logprobs
 from dormant.worker.model_runner import ModelRunner, _max_logprobs
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.rejection_sampler import draft_sample, verify
 from dormant.worker.sampler import SamplingTensors, processed_logits
-from dormant.worker.spec_inputs import PassLayout, SpecLayout
+from dormant.worker.spec_inputs import SpecLayout
+from dormant.worker.spec_outputs import read_outputs, with_draft_computed
 
 _PASS_ARRAYS = 5  # PassLayout.arrays()
 
@@ -63,6 +65,37 @@ class SpecStep:
         self.block_size = runner.config.block_size
         self._staging = Staging(self.device)
         self._host_copy = HostCopy(self.device)
+        # A draft model's one-token passes run from static buffers (graphs once captured);
+        # MTP's take the previous hidden states too, and run eagerly.
+        self.decoder: DraftDecoder | None = None
+        if isinstance(draft, DraftModel):
+            null_block = runner.inputs.null_block
+            self.decoder = DraftDecoder(draft.model, runner.mm, runner.config, null_block)
+
+    @classmethod
+    def create(
+        cls, runner: ModelRunner, draft: DraftModel | MTPDraftModel, num_blocks: int
+    ) -> SpecStep:
+        """Allocates the draft's KV (``num_blocks`` and the null block) and guards every tensor
+        a step reads at a fixed address; returns the step."""
+        spec, mm = runner.config.speculative_config, runner.mm
+        assert spec is not None
+        draft.allocate_kv_cache(num_blocks + 1)
+        layers = draft.model.attention_layers()
+        hidden = [] if draft.hidden_cache is None else [draft.hidden_cache]
+        mm.guard_addresses(
+            "draft.kv_cache", lambda: [*(a.checked_cache() for a in layers), *hidden]
+        )
+        step = cls(runner, draft, spec)
+        if step.decoder is not None:
+            mm.guard_addresses("draft.inputs", step.decoder.inputs.tensors)
+        return step
+
+    def capture_graphs(self) -> None:
+        """Captures the draft's decode graphs at the target's batch sizes (GPU only)."""
+        graphs = self.runner.graphs
+        if self.decoder is not None and graphs is not None:
+            self.decoder.capture(graphs.batch_sizes)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -73,7 +106,7 @@ class SpecStep:
         if not layout.spec_rows and self.draft.hidden_cache is None:
             # nothing to verify, no hidden state to keep: the target's step as without drafts
             output = self.runner.execute(step)
-            return _with_draft_computed(output, [s.seq_len for s in step.seqs])
+            return with_draft_computed(output, [s.seq_len for s in step.seqs])
         return self._verify(step, layout, views[-5:], drafts, probs)
 
     # ── drafting ──────────────────────────────────────────────────────────────────────────────
@@ -85,30 +118,38 @@ class SpecStep:
         0 past a row's ``j``) and, for "probabilistic" drafts of random rows, the
         distributions they were drawn from (float32 [n_spec, k_max, V]; point masses on the
         padding)."""
-        draft = self.draft
+        draft, decoder = self.draft, self.decoder
         num_spec, k_max = len(layout.spec_rows), layout.max_drafts
         drafts = torch.zeros((num_spec, k_max), dtype=torch.int64, device=self.device)
         offset = 0
-        hidden = None
+        hidden, logits = None, None
         if layout.catch_up is not None:
             positions, meta = layout.catch_up.metadata(views[:_PASS_ARRAYS])
             offset = _PASS_ARRAYS
-            previous = self._cached_hidden(meta.slot_mapping)
-            with forward_context(meta):
-                hidden = draft.forward(views[offset], positions, previous, 0)
+            if decoder is not None and meta.max_query_len == 1:  # a decode step of the draft
+                logits = decoder.run(views[offset], positions, meta)
+            else:
+                previous = self._cached_hidden(meta.slot_mapping)
+                with forward_context(meta):
+                    hidden = draft.forward(views[offset], positions, previous, 0)
         last = views[offset + 1]
         offset += 2
         if not num_spec:
             return drafts, None
-        assert hidden is not None
         spec_seqs = [seqs[r] for r in layout.spec_rows]
         sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
         probs = None
         if self.spec.draft_sample_method == "probabilistic" and not sampling.is_all_greedy:
             probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
             probs[..., 0] = 1.0  # the padding's point mass
-        latest = hidden[last]  # each drafting row's newest hidden state (MTP's next input)
-        tokens, row_probs = self._sample(draft.model.compute_logits(latest), sampling, 0)
+        latest = None  # each drafting row's newest hidden state (MTP's next input)
+        if logits is not None:
+            logits = logits[last]
+        else:
+            assert hidden is not None
+            latest = hidden[last]
+            logits = draft.model.compute_logits(latest)
+        tokens, row_probs = self._sample(logits, sampling, 0)
         drafts[:, 0] = tokens
         if probs is not None and row_probs is not None:
             probs[:, 0] = row_probs
@@ -117,11 +158,16 @@ class SpecStep:
             offset += _PASS_ARRAYS + 1
             rows = pass_views[-1]
             positions, meta = pass_layout.metadata(pass_views[:_PASS_ARRAYS])
-            with forward_context(meta):
-                hidden = draft.forward(drafts[rows, i - 1], positions, latest[rows], i)
-            latest = latest.index_copy(0, rows, hidden)
+            if decoder is not None:
+                logits = decoder.run(drafts[rows, i - 1], positions, meta)
+            else:
+                assert latest is not None
+                with forward_context(meta):
+                    hidden = draft.forward(drafts[rows, i - 1], positions, latest[rows], i)
+                latest = latest.index_copy(0, rows, hidden)
+                logits = draft.model.compute_logits(hidden)
             subset = _select(sampling, rows)
-            tokens, row_probs = self._sample(draft.model.compute_logits(hidden), subset, i)
+            tokens, row_probs = self._sample(logits, subset, i)
             drafts[rows, i] = tokens
             if probs is not None and row_probs is not None:
                 probs[rows, i] = row_probs
@@ -210,16 +256,6 @@ class SpecStep:
             flat = processed_logits(flat, sampling)
         return packed_logprobs(flat, emitted.clamp(min=0).reshape(-1), num_top, mode)
 
-    def _draft_computed(self, seq: SeqInput, num_emitted: int) -> int:
-        """The row's positions with exact draft KV after the step: a draft model's catch-up
-        reached the row's end, and its chained KV holds where the drafts were accepted; MTP's
-        catch-up reached ``start_position`` (its chained passes used its own hidden states)."""
-        if self.draft.lag:
-            return seq.start_position
-        if not seq.num_draft_tokens:
-            return seq.seq_len
-        return seq.seq_len + min(num_emitted - 1, seq.num_draft_tokens - 1)
-
     def _outputs(
         self,
         seqs: SequenceOf[SeqInput],
@@ -228,54 +264,10 @@ class SpecStep:
         plain_logprobs: torch.Tensor | None,
         prompt: torch.Tensor | None,
     ) -> StepOutput:
-        """Reads the step's host copy back into one ``SeqOutput`` per row, in row order."""
+        widths = [None if t is None else t.shape[-1] for t in (spec_logprobs, plain_logprobs)]
+        prompt_width = None if prompt is None else prompt.shape[-1]
         host = self._host_copy.wait()
-        num_spec, num_plain, width = (
-            len(layout.spec_rows),
-            len(layout.plain_rows),
-            layout.max_drafts + 1,
-        )
-        end = num_spec * width
-        emitted = host[:end].reshape(num_spec, width).tolist()
-        counts = host[end : end + num_spec].tolist()
-        end += num_spec
-        plain_tokens = host[end : end + num_plain].tolist()
-        end += num_plain
-        entries: list[list[TokenLogprobs] | None] = []
-        for packed, rows in ((spec_logprobs, num_spec * width), (plain_logprobs, num_plain)):
-            if packed is None:
-                entries.append(None)
-                continue
-            size = rows * packed.shape[-1]
-            entries.append(unpack_logprobs(host[end : end + size].reshape(rows, -1)))
-            end += size
-        spec_entries, plain_entries = entries
-        prompt_entries = (
-            [] if prompt is None else unpack_logprobs(host[end:].reshape(-1, prompt.shape[-1]))
-        )
-        outputs: list[SeqOutput | None] = [None] * len(seqs)
-        for n, row in enumerate(layout.spec_rows):
-            seq, count = seqs[row], counts[n]
-            lps = None
-            if spec_entries is not None and seq.params.logprobs is not None:
-                lps = tuple(spec_entries[n * width : n * width + count])
-            computed = self._draft_computed(seq, count)
-            outputs[row] = SeqOutput(tuple(emitted[n][:count]), lps, None, computed)
-        next_prompt = 0
-        for n, row in enumerate(layout.plain_rows):
-            seq = seqs[row]
-            lps = None
-            if plain_entries is not None and seq.params.logprobs is not None:
-                lps = (plain_entries[n],)
-            seq_prompt = None
-            if seq.compute_prompt_logprobs:
-                count = len(seq.token_ids) - 1
-                seq_prompt = tuple(prompt_entries[next_prompt : next_prompt + count])
-                next_prompt += count
-            outputs[row] = SeqOutput(
-                (plain_tokens[n],), lps, seq_prompt, self._draft_computed(seq, 1)
-            )
-        return StepOutput(tuple(o for o in outputs if o is not None))
+        return read_outputs(host, seqs, layout, widths, prompt_width, self.draft.lag)
 
 
 def _select(sampling: SamplingTensors, rows: torch.Tensor) -> SamplingTensors:
@@ -293,13 +285,4 @@ def _select(sampling: SamplingTensors, rows: torch.Tensor) -> SamplingTensors:
     )
 
 
-def _with_draft_computed(output: StepOutput, computed: list[int]) -> StepOutput:
-    return StepOutput(
-        tuple(
-            dataclasses.replace(o, num_draft_computed_tokens=c)
-            for o, c in zip(output.seqs, computed, strict=True)
-        )
-    )
-
-
-__all__ = ["PassLayout", "SpecStep"]
+__all__ = ["SpecStep"]

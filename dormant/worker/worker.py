@@ -205,18 +205,12 @@ class Worker:
             "kv_cache", lambda: [a.checked_cache() for a in model.attention_layers()]
         )
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
-        if self.draft is not None:
-            draft, spec = self.draft, self.config.speculative_config
-            draft.allocate_kv_cache(num_blocks + 1)
-            layers = draft.model.attention_layers()
-            hidden = [] if draft.hidden_cache is None else [draft.hidden_cache]
-            self.mm.guard_addresses(
-                "draft.kv_cache", lambda: [*(a.checked_cache() for a in layers), *hidden]
-            )
-            assert spec is not None
-            self._spec_step = SpecStep(self.runner, draft, spec)
+        if self.draft is not None:  # its KV, guarded, and the step that drafts and verifies
+            self._spec_step = SpecStep.create(self.runner, self.draft, num_blocks)
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_graphs()
+            if self._spec_step is not None:
+                self._spec_step.capture_graphs()
         if self.config.enable_sleep_mode and self.config.prepare_sleep_arena:
             self.mm.prepare_arena(level=1)  # in the background: the first sleep then only copies
         graphs = self.runner.graphs

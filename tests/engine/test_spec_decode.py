@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from dormant import LLM, SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, SEEDED, tokens
@@ -138,3 +139,35 @@ def test_seeded_sampling_is_reproducible_and_self_drafts_are_accepted(
     greedy_drafts.generate(PROMPTS, seeded, use_tqdm=False)
     stats = greedy_drafts.llm_engine.spec_decode_stats
     assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_padded_draft_passes_change_nothing(spec_llm, baseline) -> None:
+    """The draft's one-token passes padded up to a graph's batch size (as on a GPU): the dummy
+    rows write only the null block, so outputs and acceptance are as without padding. The
+    "graph" here replays the same body eagerly."""
+    llm = spec_llm(k=3)
+    decoder = llm.llm_engine.executor.worker._spec_step.decoder
+    graphs, size = decoder.graphs, 8
+
+    class Replay:
+        def __init__(self) -> None:
+            self.output = torch.empty(0)
+
+        def replay(self) -> None:
+            self.output = graphs._forward(size)
+
+    replay = Replay()
+
+    class Captured:
+        graph = replay
+
+        @property
+        def output(self) -> torch.Tensor:
+            return replay.output
+
+    graphs.batch_sizes, graphs.full = [size], {size: Captured()}
+    decoder.is_captured = True
+    outputs = llm.generate(PROMPTS, LOGPROBS, use_tqdm=False)
+    assert tokens(outputs) == tokens(baseline["greedy"])
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens
