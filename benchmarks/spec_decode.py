@@ -10,8 +10,9 @@ Cases (each its own engine, one after the other):
 
 Decode tokens/s: one greedy request with a ``--context``-token prompt; the time of
 ``max_tokens=1 + N`` less the time of ``max_tokens=1`` (the prefill), over N tokens; median of
-``--repeats``. Speculative steps run eagerly (drafting, then the target's verification pass):
-the fused multi-step graph is not used with speculation on.
+``--repeats``. In speculative steps the draft's one-token passes replay its decode graphs and
+the target's verification pass runs eagerly; the fused multi-step graph is not used with
+speculation on.
 
 Sleep/wake (every engine; "none" is the target alone): level 1, then level 2 with
 wake_up(["weights"]), ``reload_weights`` (target and draft), wake_up(["kv_cache"]), each as the
