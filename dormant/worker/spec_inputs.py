@@ -120,13 +120,25 @@ class SpecLayout:
     target_spec_logits: np.ndarray
     target_plain_logits: np.ndarray
     max_emitted: np.ndarray
+    # The padded verification (``pad_to = K``): every row computes K + 1 positions
+    verify: PassLayout | None = None
+    verify_first_ids: np.ndarray | None = None  # each row's newest token
 
     @classmethod
-    def of(cls, seqs: SequenceOf[SeqInput], block_size: int, lag: int = 0) -> SpecLayout:
+    def of(
+        cls,
+        seqs: SequenceOf[SeqInput],
+        block_size: int,
+        lag: int = 0,
+        pad_to: int | None = None,
+        null_block: int = 0,
+    ) -> SpecLayout:
+        """``pad_to`` (every row drafting): verify ``pad_to`` drafts per row, the positions
+        past a row's ``j`` writing KV past its length (or, past its blocks, the null block)."""
         spec_rows = tuple(r for r, s in enumerate(seqs) if s.num_draft_tokens)
         plain_rows = tuple(r for r, s in enumerate(seqs) if not s.num_draft_tokens)
         num_drafts = tuple(seqs[r].num_draft_tokens for r in spec_rows)
-        k_max = max(num_drafts, default=0)
+        k_max = pad_to or max(num_drafts, default=0)
         tables = [s.block_table for s in seqs]
         draft_ids = [(*s.draft_prefix_token_ids, *s.token_ids) for s in seqs]
         if lag:  # positions draft_start .. start - 1, each with the token after it
@@ -148,6 +160,8 @@ class SpecLayout:
         spec_starts = np.asarray([seqs[r].start_position for r in spec_rows], np.int64)
         for i in range(1, k_max):
             rows = np.asarray([n for n, j in enumerate(num_drafts) if j > i], np.int64)
+            if not len(rows):
+                break  # no row drafts this far (padded verification only)
             layout = PassLayout.of(
                 spec_starts[rows] + i - lag,
                 np.ones(len(rows), np.int64),
@@ -167,6 +181,20 @@ class SpecLayout:
             source.append(n * k_max + np.arange(j))
             spec_logits.append(first + np.minimum(np.arange(k_max + 1), j))
         empty = np.zeros(0, np.int64)
+        verify, first_ids = None, None
+        if pad_to is not None:
+            assert not plain_rows, "the padded verification takes drafting rows only"
+            width = k_max + 1
+            slots, source = [], []  # the drafts land in the verification's own buffers
+            spec_logits = [np.arange(len(spec_rows) * width)]
+            starts = np.asarray([s.start_position for s in seqs], np.int64)
+            extended = [
+                (*s.block_table, *(null_block,) * (-(-(s.start_position + width) // block_size)
+                                                    - len(s.block_table)))
+                for s in seqs
+            ]  # fmt: skip
+            verify = PassLayout.of(starts, np.full(len(seqs), width), extended, block_size)
+            first_ids = np.asarray([s.token_ids[0] for s in seqs], np.int64)
         return cls(
             spec_rows=spec_rows,
             plain_rows=plain_rows,
@@ -181,6 +209,8 @@ class SpecLayout:
             target_spec_logits=np.concatenate([empty, *spec_logits]),
             target_plain_logits=target_cu[1:][list(plain_rows)] - 1,
             max_emitted=np.asarray(num_drafts, np.int64) + 1,
+            verify=verify,
+            verify_first_ids=first_ids,
         )
 
     def arrays(self) -> list[np.ndarray]:
@@ -189,7 +219,43 @@ class SpecLayout:
         arrays = [*catch_up, self.catch_up_ids, self.catch_up_last]
         for layout, rows in self.chained:
             arrays += [*layout.arrays(), rows]
-        return [
-            *arrays, self.target_draft_slots, self.target_draft_source,
-            self.target_spec_logits, self.target_plain_logits, self.max_emitted,
+        arrays += [
+            self.target_draft_slots, self.target_draft_source, self.target_spec_logits,
+            self.target_plain_logits, self.max_emitted,
         ]  # fmt: skip
+        if self.verify is not None:
+            assert self.verify_first_ids is not None
+            arrays += [*self.verify.arrays(), self.verify_first_ids]
+        return arrays
+
+    def unpack(self, views: list[torch.Tensor]) -> SpecViews:
+        """The device views of ``arrays()``, by name."""
+        it = iter(views)
+
+        def take(count: int) -> list[torch.Tensor]:
+            return [next(it) for _ in range(count)]
+
+        catch_up = None if self.catch_up is None else take(_PASS_ARRAYS)
+        catch_up_ids, catch_up_last = take(2)
+        chained = []
+        for _ in self.chained:
+            *pass_views, rows = take(_PASS_ARRAYS + 1)
+            chained.append((pass_views, rows))
+        target = take(5)
+        verify = take(_PASS_ARRAYS + 1) if self.verify is not None else None
+        return SpecViews(catch_up, catch_up_ids, catch_up_last, chained, target, verify)
+
+
+_PASS_ARRAYS = 5  # PassLayout.arrays()
+
+
+@dataclass(frozen=True)
+class SpecViews:
+    """``SpecLayout.arrays()`` on the device: each pass's ``PassLayout`` views, then the rest."""
+
+    catch_up: list[torch.Tensor] | None
+    catch_up_ids: torch.Tensor
+    catch_up_last: torch.Tensor
+    chained: list[tuple[list[torch.Tensor], torch.Tensor]]
+    target: list[torch.Tensor]  # draft slots, draft source, spec logits, plain logits, max emitted
+    verify: list[torch.Tensor] | None  # the padded verification's PassLayout views, first ids

@@ -47,8 +47,9 @@ from dormant.worker.model_runner import ModelRunner, _max_logprobs
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.rejection_sampler import draft_sample, verify
 from dormant.worker.sampler import SamplingTensors, processed_logits
-from dormant.worker.spec_inputs import SpecLayout
+from dormant.worker.spec_inputs import SpecLayout, SpecViews
 from dormant.worker.spec_outputs import read_outputs, with_draft_computed
+from dormant.worker.target_verifier import TargetVerifier
 
 _PASS_ARRAYS = 5  # PassLayout.arrays()
 
@@ -67,10 +68,15 @@ class SpecStep:
         self._host_copy = HostCopy(self.device)
         # A draft model's one-token passes run from static buffers (graphs once captured);
         # MTP's take the previous hidden states too, and run eagerly.
+        null_block = runner.inputs.null_block
         self.decoder: DraftDecoder | None = None
         if isinstance(draft, DraftModel):
-            null_block = runner.inputs.null_block
             self.decoder = DraftDecoder(draft.model, runner.mm, runner.config, null_block)
+        # The target's verification of steps whose rows all draft, padded to K drafts each
+        self.verifier = TargetVerifier(
+            runner.model, runner.mm, runner.config, null_block, spec.num_speculative_tokens,
+            draft.hidden_cache,
+        )  # fmt: skip
 
     @classmethod
     def create(
@@ -89,30 +95,45 @@ class SpecStep:
         step = cls(runner, draft, spec)
         if step.decoder is not None:
             mm.guard_addresses("draft.inputs", step.decoder.inputs.tensors)
+        mm.guard_addresses("verifier.inputs", step.verifier.inputs.tensors)
         return step
 
     def capture_graphs(self) -> None:
-        """Captures the draft's decode graphs at the target's batch sizes (GPU only)."""
+        """Captures the draft's decode graphs and the verification's graphs at the target's
+        batch sizes (GPU only)."""
         graphs = self.runner.graphs
-        if self.decoder is not None and graphs is not None:
+        if graphs is None:
+            return
+        if self.decoder is not None:
             self.decoder.capture(graphs.batch_sizes)
+        self.verifier.capture(graphs.batch_sizes)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
-        lag = self.draft.lag
-        layout = SpecLayout.of(step.seqs, self.block_size, lag)
-        views, _ = self._staging.stage(layout.arrays())
-        drafts, probs = self._draft(step.seqs, layout, views)
+        seqs, lag = step.seqs, self.draft.lag
+        pad_to = self._padded_verification(seqs)
+        layout = SpecLayout.of(seqs, self.block_size, lag, pad_to, self.runner.inputs.null_block)
+        staged, _ = self._staging.stage(layout.arrays())
+        views = layout.unpack(staged)
+        drafts, probs = self._draft(seqs, layout, views)
         if not layout.spec_rows and self.draft.hidden_cache is None:
             # nothing to verify, no hidden state to keep: the target's step as without drafts
             output = self.runner.execute(step)
-            return with_draft_computed(output, [s.seq_len for s in step.seqs])
-        return self._verify(step, layout, views[-5:], drafts, probs)
+            return with_draft_computed(output, [s.seq_len for s in seqs])
+        return self._verify(step, layout, views, drafts, probs)
+
+    def _padded_verification(self, seqs: SequenceOf[SeqInput]) -> int | None:
+        """``K`` when every row drafts and fits the verification's static pass, else None."""
+        k, max_len = self.spec.num_speculative_tokens, self.runner.config.max_model_len
+        fits = self.verifier.fits(len(seqs)) and all(
+            s.num_draft_tokens and s.start_position + k + 1 <= max_len for s in seqs
+        )
+        return k if fits and not self.runner.is_logits_patched else None
 
     # ── drafting ──────────────────────────────────────────────────────────────────────────────
 
     def _draft(
-        self, seqs: SequenceOf[SeqInput], layout: SpecLayout, views: list[torch.Tensor]
+        self, seqs: SequenceOf[SeqInput], layout: SpecLayout, views: SpecViews
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the catch-up and chained passes; returns the drafts (int64 [n_spec, k_max],
         0 past a row's ``j``) and, for "probabilistic" drafts of random rows, the
@@ -121,21 +142,19 @@ class SpecStep:
         draft, decoder = self.draft, self.decoder
         num_spec, k_max = len(layout.spec_rows), layout.max_drafts
         drafts = torch.zeros((num_spec, k_max), dtype=torch.int64, device=self.device)
-        offset = 0
         hidden, logits = None, None
         if layout.catch_up is not None:
-            positions, meta = layout.catch_up.metadata(views[:_PASS_ARRAYS])
-            offset = _PASS_ARRAYS
+            assert views.catch_up is not None
+            positions, meta = layout.catch_up.metadata(views.catch_up)
             if decoder is not None and meta.max_query_len == 1:  # a decode step of the draft
-                logits = decoder.run(views[offset], positions, meta)
+                logits = decoder.run(views.catch_up_ids, positions, meta)
             else:
                 previous = self._cached_hidden(meta.slot_mapping)
                 with forward_context(meta):
-                    hidden = draft.forward(views[offset], positions, previous, 0)
-        last = views[offset + 1]
-        offset += 2
+                    hidden = draft.forward(views.catch_up_ids, positions, previous, 0)
         if not num_spec:
             return drafts, None
+        last = views.catch_up_last
         spec_seqs = [seqs[r] for r in layout.spec_rows]
         sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
         probs = None
@@ -153,11 +172,10 @@ class SpecStep:
         drafts[:, 0] = tokens
         if probs is not None and row_probs is not None:
             probs[:, 0] = row_probs
-        for i, (pass_layout, _) in enumerate(layout.chained, start=1):
-            pass_views = views[offset : offset + _PASS_ARRAYS + 1]
-            offset += _PASS_ARRAYS + 1
-            rows = pass_views[-1]
-            positions, meta = pass_layout.metadata(pass_views[:_PASS_ARRAYS])
+        for i, ((pass_layout, _), (pass_views, rows)) in enumerate(
+            zip(layout.chained, views.chained, strict=True), start=1
+        ):
+            positions, meta = pass_layout.metadata(pass_views)
             if decoder is not None:
                 logits = decoder.run(drafts[rows, i - 1], positions, meta)
             else:
@@ -191,12 +209,54 @@ class SpecStep:
         self,
         step: StepInput,
         layout: SpecLayout,
-        views: list[torch.Tensor],
+        views: SpecViews,
         drafts: torch.Tensor,
         probs: torch.Tensor | None,
     ) -> StepOutput:
         runner, seqs = self.runner, step.seqs
-        draft_slots, draft_source, spec_index, plain_index, max_emitted = views
+        _, _, spec_index, plain_index, max_emitted = views.target
+        spec_seqs = [seqs[r] for r in layout.spec_rows]
+        plain_seqs = [seqs[r] for r in layout.plain_rows]
+        k_max, num_spec = layout.max_drafts, len(spec_seqs)
+        hidden, target_seqs, logits = None, seqs, None
+        if layout.verify is not None:  # every row drafts: the static pass (graphs on a GPU)
+            assert views.verify is not None
+            logits = self.verifier.run(views.verify, layout.verify.width, drafts)
+        else:
+            hidden, target_seqs = self._eager_target(seqs, views, drafts)
+            if spec_seqs:
+                logits = runner.model.compute_logits(hidden[spec_index])
+                logits = logits.view(num_spec, k_max + 1, -1)
+        parts: list[torch.Tensor] = []
+        spec_logprobs = None
+        if logits is not None:
+            sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
+            if probs is None and not sampling.is_all_greedy:  # greedy drafts: point masses
+                probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
+                probs.scatter_(-1, drafts[..., None], 1.0)
+            emitted, num_emitted = verify(logits, drafts, probs, sampling)
+            parts += [emitted, torch.minimum(num_emitted, max_emitted)]
+            spec_logprobs = self._spec_logprobs(spec_seqs, logits, emitted, k_max)
+        plain_tokens, plain_logprobs, prompt = None, None, None
+        if plain_seqs:
+            assert hidden is not None
+            plain_tokens, plain_logprobs = runner._sample(
+                runner.model.compute_logits(hidden[plain_index]), plain_seqs
+            )
+            parts.append(plain_tokens)
+        if hidden is not None:
+            prompt = runner._prompt_logprobs(target_seqs, hidden)
+        extras = [p for p in (spec_logprobs, plain_logprobs, prompt) if p is not None]
+        self._host_copy.start(parts + extras)
+        return self._outputs(seqs, layout, spec_logprobs, plain_logprobs, prompt)
+
+    def _eager_target(
+        self, seqs: SequenceOf[SeqInput], views: SpecViews, drafts: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[SeqInput, ...]]:
+        """The target over every row, a drafting row's ``[newest, d_1 .. d_j]``, through the
+        runner's input buffers: its final hidden states, and the rows as it computed them."""
+        runner = self.runner
+        draft_slots, draft_source = views.target[:2]
         target_seqs = tuple(
             dataclasses.replace(s, token_ids=(*s.token_ids, *(0,) * s.num_draft_tokens))
             for s in seqs
@@ -210,31 +270,7 @@ class SpecStep:
         cache = self.draft.hidden_cache
         if cache is not None:  # MTP reads it in later steps
             cache.view(-1, cache.shape[-1])[meta.slot_mapping] = hidden.to(cache.dtype)
-        spec_seqs = [seqs[r] for r in layout.spec_rows]
-        plain_seqs = [seqs[r] for r in layout.plain_rows]
-        k_max, num_spec = layout.max_drafts, len(spec_seqs)
-        parts: list[torch.Tensor] = []
-        spec_logprobs = None
-        if spec_seqs:
-            logits = runner.model.compute_logits(hidden[spec_index])
-            sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
-            if probs is None and not sampling.is_all_greedy:  # greedy drafts: point masses
-                probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
-                probs.scatter_(-1, drafts[..., None], 1.0)
-            logits = logits.view(num_spec, k_max + 1, -1)
-            emitted, num_emitted = verify(logits, drafts, probs, sampling)
-            parts += [emitted, torch.minimum(num_emitted, max_emitted)]
-            spec_logprobs = self._spec_logprobs(spec_seqs, logits, emitted, k_max)
-        plain_tokens, plain_logprobs = None, None
-        if plain_seqs:
-            plain_tokens, plain_logprobs = runner._sample(
-                runner.model.compute_logits(hidden[plain_index]), plain_seqs
-            )
-            parts.append(plain_tokens)
-        prompt = runner._prompt_logprobs(target_seqs, hidden)
-        extras = [p for p in (spec_logprobs, plain_logprobs, prompt) if p is not None]
-        self._host_copy.start(parts + extras)
-        return self._outputs(seqs, layout, spec_logprobs, plain_logprobs, prompt)
+        return hidden, target_seqs
 
     def _spec_logprobs(
         self,

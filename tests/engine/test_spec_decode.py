@@ -171,3 +171,26 @@ def test_padded_draft_passes_change_nothing(spec_llm, baseline) -> None:
     assert tokens(outputs) == tokens(baseline["greedy"])
     stats = llm.llm_engine.spec_decode_stats
     assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_the_padded_verification_pass_pads_to_graph_sizes(spec_llm, baseline) -> None:
+    """Steps whose rows all draft verify through the static pass (every row K + 1 positions),
+    padded up to a graph's batch size with rows in the null block, as on a GPU (the "graph"
+    replays the same body eagerly): outputs and acceptance as without it."""
+    llm = spec_llm(k=3)
+    verifier = llm.llm_engine.executor.worker._spec_step.verifier
+    size, calls = 8, []
+    output = torch.empty((size * verifier.width, llm.llm_engine.config.model_config.vocab_size))
+
+    class Graph:
+        def replay(self) -> None:
+            calls.append(size)
+            output.copy_(verifier._forward(size))
+
+    verifier.graphs = {size: (Graph(), output)}
+    outputs = llm.generate(PROMPTS, LOGPROBS, use_tqdm=False)
+    assert tokens(outputs) == tokens(baseline["greedy"])
+    assert _same_logprobs(outputs, baseline["greedy"])
+    stats = llm.llm_engine.spec_decode_stats
+    assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert len(calls) >= 4  # the decode steps of the three prompts, together
