@@ -102,7 +102,11 @@ class LLMEngine:
         self.scheduler = Scheduler(limits, blocks, eos)
         self._kv_epoch = self.sleep_control.kv_epoch  # what the cached KV was computed under
         self._sequences = SequenceFactory(random.Random(config.seed))
-        self.outputs = OutputProcessor(self.tokenizer, lambda: self.refits.weight_version)
+        self.outputs = OutputProcessor(
+            self.tokenizer,
+            lambda: self.refits.weight_version,
+            lambda: tuple(rank.num_weight_writes for rank in self.sleep_control.ranks),
+        )
         self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
         self.model_config = ModelConfigView.of(config)
 

@@ -56,6 +56,8 @@ class RequestState:
     samples: list[SampleState]
     prompt_logprobs: PromptLogprobs | None = None
     stop_strings: list[str] = field(default_factory=list)
+    # The weights each stretch of its tokens came from: (version name, weights epoch), oldest first.
+    weights: list[tuple[str, object]] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
@@ -70,12 +72,19 @@ class OutputProcessor:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer | None, weight_version: Callable[[], str] | None = None
+        self,
+        tokenizer: Tokenizer | None,
+        weight_version: Callable[[], str] | None = None,
+        weight_epoch: Callable[[], object] | None = None,
     ) -> None:
-        """``weight_version`` names the weights in use; a completion never spans two of them
-        (refits wait for, or abort, running requests), so each output records the current one."""
+        """``weight_version`` names the weights in use and ``weight_epoch`` changes whenever
+        any weight is written, by any path. Refits through the engine wait for, or abort,
+        running requests, but a request kept by ``pause(mode="keep")`` while a worker
+        extension refits continues on the new weights, as in vLLM (OpenRLHF relies on it): so
+        each output lists every version its tokens came from (``weight_versions``)."""
         self.tokenizer = tokenizer
         self._weight_version = weight_version
+        self._weight_epoch = weight_epoch
         self._requests: dict[int, RequestState] = {}
         self._request_of_seq: dict[int, RequestState] = {}
 
@@ -125,11 +134,14 @@ class OutputProcessor:
     ) -> None:
         """Records the logprobs of the tokens each of ``seqs`` appended in this step
         (``num_before[i]`` is how many outputs ``seqs[i]`` had before) and prompt logprobs."""
+        weights = self._weights_in_use()
         for seq, output, before in zip(seqs, outputs, num_before, strict=True):
             state = self._request_of_seq.get(seq.seq_id)
             if state is None:
                 continue
             num_appended = seq.num_output_tokens - before
+            if num_appended and weights is not None and state.weights[-1:] != [weights]:
+                state.weights.append(weights)
             if output.logprobs is not None and num_appended:
                 sample = state.samples[state.seqs.index(seq)]
                 appended = seq.output_token_ids[before:]
@@ -246,7 +258,14 @@ class OutputProcessor:
             # any sample: the first sample of n computes what the others hit).
             num_cached_tokens=max(seq.num_cached_tokens or 0 for seq in state.seqs),
             weight_version=None if self._weight_version is None else self._weight_version(),
+            weight_versions=[name for name, _ in state.weights],
         )
+
+    def _weights_in_use(self) -> tuple[str, object] | None:
+        if self._weight_version is None:
+            return None
+        epoch = None if self._weight_epoch is None else self._weight_epoch()
+        return self._weight_version(), epoch
 
 
 def _as_count(num_logprobs: int | None) -> int | None:

@@ -8,7 +8,7 @@ has ``k`` entries when the sampled token is among the top ``k``, else ``k + 1``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dormant.engine.spec_stats import SpecDecodeStats
 
@@ -62,4 +62,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    weight_version: str | None = None  # the weights it was generated with (SGLang's name)
+    weight_version: str | None = None  # the weights in use now (SGLang's name)
+    # Every weight version its tokens came from, oldest first. More than one only for a request
+    # kept by pause(mode="keep") across a refit (vLLM's behaviour); a refit that named no new
+    # version repeats the name.
+    weight_versions: list[str] = field(default_factory=list)

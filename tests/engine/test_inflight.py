@@ -76,3 +76,28 @@ def test_keep_mode_through_level_2_and_a_refit(make_llm, checkpoint) -> None:
     llm.wake_up(["kv_cache"])
     run_to_completion(engine, outputs)
     assert [outputs[str(i)].outputs[0].token_ids for i in ids] == expected
+
+
+def test_an_output_lists_the_weight_versions_its_tokens_came_from(make_llm, checkpoint) -> None:
+    """A request kept by pause(mode="keep") across a refit continues on the new weights, as in
+    vLLM (OpenRLHF's partial rollouts rely on it); its output says so. One that ran on one set
+    of weights lists one version."""
+    llm = make_llm(str(checkpoint))
+    engine, ids, outputs = start(llm)
+    engine.pause("keep")
+    engine.reload_weights(weight_version="v2")
+    engine.resume()
+    run_to_completion(engine, outputs)
+    assert all(outputs[str(i)].weight_versions == ["default", "v2"] for i in ids)
+    assert all(outputs[str(i)].weight_version == "v2" for i in ids)
+    (after,) = llm.generate(PROMPTS[:1], PARAMS)
+    assert after.weight_versions == ["v2"]
+    engine.pause("keep")  # nothing in flight: a refit that names no version
+    engine.reload_weights()
+    engine.resume()
+    kept, *_ = start(llm, num_steps=2)[1]
+    engine.pause("keep")
+    engine.reload_weights()
+    engine.resume()
+    run_to_completion(engine, outputs)
+    assert outputs[str(kept)].weight_versions == ["v2", "v2"]  # two weight sets, one name
