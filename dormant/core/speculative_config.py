@@ -14,7 +14,8 @@
 | quantization, revision,    | None                                | the draft as on disk    |
 | code_revision              |                                     |                         |
 | max_model_len              | None, or >= the engine's            | the engine's applies    |
-| enforce_eager              | None or a bool                      | the engine's applies    |
+| enforce_eager              | None or a bool                      | True: no graphs for the |
+|                            |                                     | drafts and verification |
 | disable_logprobs,          | a bool                              | logprobs are the        |
 | disable_log_stats          |                                     | target's; stats kept    |
 
@@ -66,6 +67,9 @@ class SpeculativeConfig:
     draft_sample_method: DraftSampleMethod = "greedy"
     # The draft is the target itself: its checkpoint path, or (random weights) its config
     is_self_speculation: bool = False
+    # vLLM's override: True runs drafting and verification eagerly even where the engine
+    # captures graphs (None: as the engine)
+    enforce_eager: bool | None = None
 
     @classmethod
     def create(
@@ -123,7 +127,10 @@ class SpeculativeConfig:
                     f"dormant builds ({', '.join(MTP_ARCHITECTURES)} with "
                     f"num_nextn_predict_layers >= 1); {target_config.architecture} has none"
                 )
-            return cls("mtp", k, draft_sample_method=sample_method)
+            return cls(
+                "mtp", k, draft_sample_method=sample_method,
+                enforce_eager=options.get("enforce_eager"),
+            )  # fmt: skip
         if model is None:
             raise UnsupportedOptionError(
                 "method 'draft_model' needs 'model': the draft's checkpoint directory"
@@ -153,6 +160,7 @@ class SpeculativeConfig:
             draft_path=draft_path,
             draft_sample_method=sample_method,
             is_self_speculation=is_self,
+            enforce_eager=options.get("enforce_eager"),
         )
 
 

@@ -102,7 +102,7 @@ class SpecStep:
         """Captures the draft's decode graphs and the verification's graphs at the target's
         batch sizes (GPU only)."""
         graphs = self.runner.graphs
-        if graphs is None:
+        if graphs is None or self.spec.enforce_eager:
             return
         if self.decoder is not None:
             self.decoder.capture(graphs.batch_sizes)

@@ -159,3 +159,23 @@ def test_mtp_lifecycle_level_2(engines, mimo) -> None:
     assert (tokens(llm, prompts=MIMO_PROMPTS), tokens(llm, SEEDED, MIMO_PROMPTS)) == before
     stats = llm.llm_engine.spec_decode_stats
     assert (stats.num_drafts, stats.num_accepted_tokens) == counts
+
+
+def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints) -> None:
+    target, other = checkpoints
+    graphed = make(engines, target, other, k=3)
+    spec_step = graphed.llm_engine.executor.worker._spec_step
+    assert spec_step.decoder.is_captured and spec_step.verifier.graphs
+    options = {
+        **OPTIONS,
+        "speculative_config": {
+            "model": str(other),
+            "num_speculative_tokens": 3,
+            "enforce_eager": True,
+        },
+    }
+    eager = LLM(str(target), **options)  # type: ignore[arg-type]
+    engines.append(eager)
+    assert not eager.llm_engine.executor.worker._spec_step.verifier.graphs
+    assert tokens(graphed) == tokens(eager)
+    assert tokens(graphed, SEEDED) == tokens(eager, SEEDED)
