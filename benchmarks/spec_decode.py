@@ -5,14 +5,16 @@ Cases (each its own engine, one after the other):
 - ``none``: no speculation (the target's decode steps replay CUDA graphs);
 - ``self k=3``: self-speculation (the draft is a second copy of the target): every draft is
   accepted, the best case of a draft this size;
+- ``self k=3 eager``: the same with ``enforce_eager`` in the speculative config (what the
+  draft's and the verification's graphs save);
 - ``small k=3``: a 0.6B-like random draft with the target's vocabulary: its drafts are almost
   always rejected, so this measures what a rejected draft costs.
 
 Decode tokens/s: one greedy request with a ``--context``-token prompt; the time of
 ``max_tokens=1 + N`` less the time of ``max_tokens=1`` (the prefill), over N tokens; median of
-``--repeats``. In speculative steps the draft's one-token passes replay its decode graphs and
-the target's verification pass runs eagerly; the fused multi-step graph is not used with
-speculation on.
+``--repeats``. In speculative steps the draft's one-token passes and the target's verification
+replay graphs (the draft's catch-up over two tokens, after every draft was accepted, runs
+eagerly); the fused multi-step graph is not used with speculation on.
 
 Sleep/wake (every engine; "none" is the target alone): level 1, then level 2 with
 wake_up(["weights"]), ``reload_weights`` (target and draft), wake_up(["kv_cache"]), each as the
@@ -45,13 +47,17 @@ QWEN3_0_6B_LIKE = {
 MAX_MODEL_LEN = 4096
 
 
-def make_engine(draft: dict[str, Any] | None, k: int) -> LLM:
+def make_engine(draft: dict[str, Any] | None, k: int, eager: bool = False) -> LLM:
     target = ModelConfig.from_dict(QWEN3_8B_LIKE)
     options: dict[str, Any] = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                                    gpu_memory_utilization=0.8)  # fmt: skip
     if draft is not None:
         model = target if draft is QWEN3_8B_LIKE else ModelConfig.from_dict(draft)
-        options["speculative_config"] = {"model": model, "num_speculative_tokens": k}
+        options["speculative_config"] = {
+            "model": model,
+            "num_speculative_tokens": k,
+            "enforce_eager": eager,
+        }
     return LLM(target, **options)
 
 
@@ -113,11 +119,12 @@ def main() -> None:
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     rows, baseline = [], None
-    cases = (("none", None), (f"self k={args.k}", QWEN3_8B_LIKE),
-             (f"small k={args.k}", QWEN3_0_6B_LIKE))  # fmt: skip
-    for case, draft in cases:
+    cases = (("none", None, False), (f"self k={args.k}", QWEN3_8B_LIKE, False),
+             (f"self k={args.k} eager", QWEN3_8B_LIKE, True),
+             (f"small k={args.k}", QWEN3_0_6B_LIKE, False))  # fmt: skip
+    for case, draft, eager in cases:
         start = time.perf_counter()
-        llm = make_engine(draft, args.k)
+        llm = make_engine(draft, args.k, eager)
         setup_s = time.perf_counter() - start
         try:
             speed = decode_tokens_per_s(llm, args.context, args.tokens, args.repeats)
@@ -127,7 +134,8 @@ def main() -> None:
                 acceptance=acceptance(llm), num_blocks=llm.llm_engine.runtime.num_kv_blocks,
             )  # fmt: skip
             rows.append(row)
-            sleep_wake(rec, case, llm, args.context)  # "none": the target's own, to compare
+            if not eager:  # "none": the target's own, to compare
+                sleep_wake(rec, case, llm, args.context)
         finally:
             llm.shutdown()
     print(table(rows, ["case", "tokens_per_s", "x_none", "acceptance", "setup_s"]))
