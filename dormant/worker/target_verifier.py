@@ -50,13 +50,13 @@ class TargetVerifier:
         """Captures one graph per batch size that fits, largest first (GPU only), once."""
         sizes = sorted((bs for bs in batch_sizes if bs <= self.max_rows), reverse=True)
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode():
             for bs in sizes:  # warm-ups first: kernels compiled outside any capture
                 self._pad(0, bs)
+                stream.wait_stream(torch.cuda.current_stream())  # after the padding's writes
                 with torch.cuda.stream(stream):
                     self._forward(bs)
-            torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.current_stream().wait_stream(stream)
             clear_cublas_workspaces()  # capture allocates its own, in the graph pool
             pool = cast(Any, self.mm.graph_pool().id)
             for bs in sizes:
