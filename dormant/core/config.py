@@ -29,6 +29,7 @@ LoadFormat = Literal["auto", "safetensors", "dummy"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 # vLLM's names for how the workers are reached; "uni" is the in-process single rank.
 ExecutorBackend = Literal["uni", "mp", "external_launcher", "ray"]
+CommSleep = Literal["off", "suspend", "recreate"]
 DEFAULT_MAX_NUM_SEQS = 64
 
 
@@ -89,6 +90,10 @@ class EngineConfig:
     # vLLM's: a draft model or MTP layers propose tokens the target verifies (None: off);
     # built by ``create`` from vLLM's dict (``core/speculative_config.py``)
     speculative_config: SpeculativeConfig | None = None
+    # The TP communicator's device memory while the whole engine sleeps (TP > 1): "suspend"
+    # (ncclCommSuspend, NCCL >= 2.29.7), "recreate" (its process group destroyed and made
+    # again at wake; eager only), or "off" (``distributed/comm_sleep.py``)
+    comm_sleep: CommSleep = "off"
 
     @classmethod
     def create(
@@ -147,6 +152,7 @@ class EngineConfig:
             (None, *get_args(ExecutorBackend)),
         )
         _check_ray_options(self.distributed_executor_backend, self.placement_group)
+        _check_supported("comm_sleep", self.comm_sleep, get_args(CommSleep))
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise UnsupportedOptionError(
                 "distributed_executor_backend='uni' runs one rank in this process, but "

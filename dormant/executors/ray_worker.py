@@ -44,7 +44,10 @@ class RayWorker:
         """Joins the TP group (NCCL on GPUs, gloo on CPUs) and builds the worker."""
         try:
             local_rank = _assigned_gpu_index() if self.on_gpu else None
-            init_distributed(self.rank, self.world_size, init_method, self.on_gpu, local_rank)
+            subgroup = self.config.comm_sleep == "recreate"
+            init_distributed(
+                self.rank, self.world_size, init_method, self.on_gpu, local_rank, subgroup
+            )
             self.worker = create_worker(self.config, self.rank, self.world_size, local_rank)
         except BaseException as error:
             return "error", portable(error)

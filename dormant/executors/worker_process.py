@@ -37,10 +37,17 @@ def die_with_parent() -> None:
 
 
 def init_distributed(
-    rank: int, world_size: int, init_method: str, on_gpu: bool, local_rank: int | None = None
+    rank: int,
+    world_size: int,
+    init_method: str,
+    on_gpu: bool,
+    local_rank: int | None = None,
+    subgroup: bool = False,
 ) -> None:
-    """Joins the process group (NCCL on GPUs, gloo on CPUs) and installs it as the TP group.
-    The process uses GPU ``local_rank`` (default: ``rank``, one host)."""
+    """Joins the process group (NCCL on GPUs, gloo on CPUs) and installs it as the TP group,
+    or, with ``subgroup``, a group of all its ranks made from it (one that can be destroyed and
+    made again: ``comm_sleep="recreate"``). The process uses GPU ``local_rank`` (default:
+    ``rank``, one host)."""
     if on_gpu:
         torch.cuda.set_device(rank if local_rank is None else local_rank)
     if not dist.is_initialized():
@@ -51,7 +58,8 @@ def init_distributed(
             world_size=world_size,
             timeout=COLLECTIVE_TIMEOUT,
         )
-    init_tp_group(DistributedTPGroup())
+    group = dist.new_group(list(range(world_size))) if subgroup else None
+    init_tp_group(DistributedTPGroup(group))
 
 
 def worker_main(
@@ -69,7 +77,8 @@ def worker_main(
         return
     on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     try:
-        init_distributed(rank, world_size, init_method, on_gpu)
+        subgroup = config.comm_sleep == "recreate"
+        init_distributed(rank, world_size, init_method, on_gpu, subgroup=subgroup)
         worker = create_worker(config, rank, world_size)
     except BaseException as error:
         conn.send(("error", portable(error)))

@@ -22,7 +22,8 @@ from dormant.core.config import EngineConfig
 from dormant.core.sleep_state import RankSleepState
 from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
-from dormant.distributed.parallel_state import all_reduce_min
+from dormant.distributed.comm_sleep import CommunicatorSleep
+from dormant.distributed.parallel_state import all_reduce_min, get_tp_group
 from dormant.memory import (
     KV_CACHE,
     LEVELS,
@@ -78,6 +79,9 @@ class Worker:
         self.refits = RefitRecord(())  # replaced once the model is built
         self.num_kv_discards = 0  # sleeps of the KV cache: its contents are gone after each
         self.refitter = Refitter(config, self.mm, lambda: self.model, rank, lambda: self.draft)
+        self.comm_sleep = CommunicatorSleep(
+            get_tp_group(), config.comm_sleep, captures_collectives=self._captures_collectives()
+        )
         self._handlers: dict[Command, Callable[..., Any]] = {
             Command.LOAD_MODEL: self.load_model,
             Command.NUM_AVAILABLE_BLOCKS: self.num_available_blocks,
@@ -250,6 +254,8 @@ class Worker:
             if discards and was_awake and self.mm.tag_states()[WEIGHTS] is not TagState.AWAKE:
                 self.refits.discarded()
         self.mm.residual.release_torch_memory()  # back to the driver, and to a trainer
+        if tags is None and not self.comm_sleep.released:  # the whole engine sleeps
+            self.comm_sleep.release()  # its communicator's memory goes too
         if release_context:
             self.mm.context.release()
         return self.sleep_state()
@@ -277,8 +283,14 @@ class Worker:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> RankSleepState:
         """Wakes ``tags`` (all when None); returns the state after the wake."""
+        self.comm_sleep.restore()  # first: waking may run collectives
         self.mm.wake_up(tags)
         return self.sleep_state()
+
+    def _captures_collectives(self) -> bool:
+        """Whether the decode graphs will capture the TP group's collectives."""
+        on_gpu = torch.device(self.device).type == "cuda"
+        return on_gpu and not self.config.enforce_eager and self.world_size > 1
 
     def sleep_state(self) -> RankSleepState:
         """This rank's memory state per tag and its stale weights, derived now."""

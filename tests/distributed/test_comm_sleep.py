@@ -113,3 +113,47 @@ def test_suspend_without_nccl_says_why() -> None:
             NcclSuspendApi.load()
     with pytest.raises(ValueError):
         CommSleepMode("pause")
+
+
+def test_an_engine_at_tp2_recreates_its_group_across_sleeps(tmp_path: Path) -> None:
+    """``LLM(..., tensor_parallel_size=2, comm_sleep="recreate")`` over gloo: a full sleep
+    destroys each rank's TP process group and the wake makes it again; the tokens after each
+    cycle equal those before. A partial sleep leaves the communicator alone."""
+    from dormant import LLM
+    from tests.engine.conftest import GREEDY, PROMPTS, write_checkpoint
+
+    def released(worker) -> tuple[bool, int]:
+        return worker.comm_sleep.released, id(worker.comm_sleep.group.process_group)
+
+    path = write_checkpoint(tmp_path / "ckpt", seed=1)
+    options = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
+    with LLM(str(path), tensor_parallel_size=2, comm_sleep="recreate", **options) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        groups = [g for _, g in llm.collective_rpc(released)]
+        for level in (1, 2):
+            llm.sleep(level=level)
+            assert [r for r, _ in llm.collective_rpc(released)] == [True, True]
+            llm.wake_up()
+            if level == 2:
+                llm.reload_weights()
+            state = llm.collective_rpc(released)
+            assert [r for r, _ in state] == [False, False]
+            assert all(g != old for (_, g), old in zip(state, groups, strict=True))
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        llm.llm_engine.release(["kv_cache"])  # a partial sleep
+        assert [r for r, _ in llm.collective_rpc(released)] == [False, False]
+        llm.wake_up()
+
+
+def test_an_engine_refuses_suspend_without_nccl_before_it_starts(tmp_path: Path) -> None:
+    from dormant import LLM
+    from tests.engine.conftest import write_checkpoint
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without NCCL")
+    path = write_checkpoint(tmp_path / "ckpt", seed=1)
+    with pytest.raises(CommSleepError, match="unavailable"):
+        LLM(str(path), device="cpu", tensor_parallel_size=2, comm_sleep="suspend",
+            max_model_len=256, kv_cache_memory_bytes=4 << 20)  # fmt: skip
+    with pytest.raises(Exception, match="comm_sleep"):
+        LLM(str(path), device="cpu", comm_sleep="pause", max_model_len=256)
