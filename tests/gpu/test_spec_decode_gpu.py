@@ -50,14 +50,27 @@ def mimo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def make(engines: list[LLM], target: Path, draft: Path | str | None = None, k: int = 3) -> LLM:
-    """``draft``: a checkpoint, or "mtp" for the target's MTP layers."""
+def make(
+    engines: list[LLM],
+    target: Path,
+    draft: Path | str | None = None,
+    k: int = 3,
+    is_mimo: bool = False,
+    **spec_options: object,
+) -> LLM:
+    """An engine on the GPU, after shutting down the ones made before (one memory manager per
+    device at a time). ``draft``: a checkpoint, or "mtp" for the target's MTP layers."""
+    while engines:
+        engines.pop().shutdown()
     options: dict[str, object] = dict(OPTIONS)
-    if draft == "mtp":  # the tiny MiMo has 128 positions and no tokenizer
-        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+    if is_mimo or draft == "mtp":  # the tiny MiMo has 128 positions and no tokenizer
         options.update(skip_tokenizer_init=True, max_model_len=128)
+    if draft == "mtp":
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
     elif draft is not None:
-        options["speculative_config"] = {"model": str(draft), "num_speculative_tokens": k}
+        options["speculative_config"] = {
+            "model": str(draft), "num_speculative_tokens": k, **spec_options
+        }  # fmt: skip
     llm = LLM(str(target), **options)  # type: ignore[arg-type]
     engines.append(llm)
     return llm
@@ -133,10 +146,7 @@ def test_lifecycle_level_2_with_speculation(engines, checkpoints) -> None:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_mtp_greedy_identical(engines, mimo, k: int) -> None:
-    options = {**OPTIONS, "max_model_len": 128}
-    base = LLM(str(mimo), skip_tokenizer_init=True, **options)  # type: ignore[arg-type]
-    engines.append(base)
-    reference = tokens(base, prompts=MIMO_PROMPTS)
+    reference = tokens(make(engines, mimo, is_mimo=True), prompts=MIMO_PROMPTS)
     llm = make(engines, mimo, "mtp", k)
     assert tokens(llm, prompts=MIMO_PROMPTS) == reference
     stats = llm.llm_engine.spec_decode_stats
@@ -166,16 +176,7 @@ def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints)
     graphed = make(engines, target, other, k=3)
     spec_step = graphed.llm_engine.executor.worker._spec_step
     assert spec_step.decoder.is_captured and spec_step.verifier.graphs
-    options = {
-        **OPTIONS,
-        "speculative_config": {
-            "model": str(other),
-            "num_speculative_tokens": 3,
-            "enforce_eager": True,
-        },
-    }
-    eager = LLM(str(target), **options)  # type: ignore[arg-type]
-    engines.append(eager)
+    expected = tokens(graphed), tokens(graphed, SEEDED)
+    eager = make(engines, target, other, k=3, enforce_eager=True)
     assert not eager.llm_engine.executor.worker._spec_step.verifier.graphs
-    assert tokens(graphed) == tokens(eager)
-    assert tokens(graphed, SEEDED) == tokens(eager, SEEDED)
+    assert (tokens(eager), tokens(eager, SEEDED)) == expected
