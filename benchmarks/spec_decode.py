@@ -12,9 +12,8 @@ Cases (each its own engine, one after the other):
 
 Decode tokens/s: one greedy request with a ``--context``-token prompt; the time of
 ``max_tokens=1 + N`` less the time of ``max_tokens=1`` (the prefill), over N tokens; median of
-``--repeats``. In speculative steps the draft's one-token passes and the target's verification
-replay graphs (the draft's catch-up over two tokens, after every draft was accepted, runs
-eagerly); the fused multi-step graph is not used with speculation on.
+``--repeats``. In speculative decode steps every draft pass and the target's verification replay
+graphs; the fused multi-step graph is not used with speculation on.
 
 Sleep/wake (every engine; "none" is the target alone): level 1, then level 2 with
 wake_up(["weights"]), ``reload_weights`` (target and draft), wake_up(["kv_cache"]), each as the

@@ -114,7 +114,9 @@ class SpecLayout:
     catch_up: PassLayout | None  # None: no row has anything to catch up (MTP only)
     catch_up_ids: np.ndarray
     catch_up_last: np.ndarray
-    chained: tuple[tuple[PassLayout, np.ndarray], ...]  # pass i = 1 .. k_max - 1, its rows
+    # pass i = 1 .. k_max - 1 (a draft model: .. k_max) and its rows (those with j > i; a
+    # draft model: j >= i)
+    chained: tuple[tuple[PassLayout, np.ndarray], ...]
     target_draft_slots: np.ndarray
     target_draft_source: np.ndarray
     target_spec_logits: np.ndarray
@@ -158,8 +160,11 @@ class SpecLayout:
             catch_up_last = ends[[pass_row[r] for r in spec_rows]]
         chained = []
         spec_starts = np.asarray([seqs[r].start_position for r in spec_rows], np.int64)
-        for i in range(1, k_max):
-            rows = np.asarray([n for n, j in enumerate(num_drafts) if j > i], np.int64)
+        # A draft model also computes its last draft's KV (pass j of a row with j drafts, its
+        # logits unused), so that it never trails the target: its next catch-up is one token.
+        ahead = 0 if lag else 1
+        for i in range(1, k_max + ahead):
+            rows = np.asarray([n for n, j in enumerate(num_drafts) if j + ahead > i], np.int64)
             if not len(rows):
                 break  # no row drafts this far (padded verification only)
             layout = PassLayout.of(

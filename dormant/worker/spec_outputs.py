@@ -21,13 +21,12 @@ from dormant.worker.spec_inputs import SpecLayout
 
 def draft_computed(seq: SeqInput, num_emitted: int, lag: int) -> int:
     """The row's positions with exact draft KV after the step: a draft model's catch-up
-    reached the row's end, and its chained KV holds where the drafts were accepted; MTP's
-    (``lag = 1``) reached ``start_position`` (its chained passes used its own hidden states)."""
+    reached the row's end, and its chained passes (the last draft's included) hold the
+    accepted drafts' KV; MTP's (``lag = 1``) reached ``start_position`` (its chained passes used
+    its own hidden states)."""
     if lag:
         return seq.start_position
-    if not seq.num_draft_tokens:
-        return seq.seq_len
-    return seq.seq_len + min(num_emitted - 1, seq.num_draft_tokens - 1)
+    return seq.seq_len + num_emitted - 1
 
 
 def read_outputs(

@@ -184,8 +184,12 @@ class SpecStep:
                     hidden = draft.forward(drafts[rows, i - 1], positions, latest[rows], i)
                 latest = latest.index_copy(0, rows, hidden)
                 logits = draft.model.compute_logits(hidden)
+            if i == k_max:
+                break  # the last drafts' KV (a draft model): nothing more to propose
             subset = _select(sampling, rows)
             tokens, row_probs = self._sample(logits, subset, i)
+            # A row whose drafts ended here (j == i) proposes one more into its padding
+            # (truncated by the verification), drawn as a draft: exactness holds for it.
             drafts[rows, i] = tokens
             if probs is not None and row_probs is not None:
                 probs[rows, i] = row_probs
