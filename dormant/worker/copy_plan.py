@@ -171,9 +171,9 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
     targets: dict[int, Tensor] = {}
     storages: dict[int, Tensor] = {}  # storage address -> uint8 tensor over the whole storage
     for item in items:
-        if is_ignored(item.name, is_tied):
-            continue
-        target = table[item.name]
+        target = table.get(item.name)
+        if target is None or is_ignored(item.name, is_tied):
+            continue  # a name check_weights accepts and load_weights skips (MiMo's MTP layers)
         targets[id(target.tensor)] = target.tensor
         names.update(target.covers or (item.name,))
         copies = _traced_copies(target, item)

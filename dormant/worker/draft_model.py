@@ -10,12 +10,13 @@ rank's ``RefitRecord``, beside the target's: a level-2 sleep makes them stale wi
 and generation is refused until both were written ("no stale draft"). ``reload_weights``
 reloads the draft too: from the path given when the draft is the target itself
 (self-speculation), else from its own checkpoint (or its seeded random init).
-``update_weights`` takes the draft's tensors under the prefix.
+``update_weights`` and every other refit path take the draft's tensors under the prefix
+(``weight_routes.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -28,7 +29,6 @@ from dormant.models import (
     iterate_safetensors,
     iterate_safetensors_metadata,
 )
-from dormant.worker import ipc_weights
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.refit_record import RefitRecord
@@ -93,16 +93,13 @@ class DraftModel:
             sorted(DRAFT_PREFIX + n for n in model.load_weights(iterate_safetensors(path)))
         )
 
-    def update(self, weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-        """Writes ``draft.``-named tensors (the prefix already stripped), validated first."""
-        names = ipc_weights.apply_named_tensors(self.model, list(weights))
-        return tuple(sorted(DRAFT_PREFIX + name for name in names))
+    def own_name(self, name: str) -> str | None:
+        """The draft's name for a refit's ``draft.``-prefixed ``name`` (``weight_routes.py``);
+        None for any other name (the target's)."""
+        return name[len(DRAFT_PREFIX) :] if name.startswith(DRAFT_PREFIX) else None
 
-    def split(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-        """``(target's, draft's)`` of an ``update_weights`` call (``split_draft_weights``)."""
-        return split_draft_weights(weights)
+    def recorded_name(self, name: str) -> str:
+        return DRAFT_PREFIX + name
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None,
@@ -119,19 +116,6 @@ class DraftModel:
         return allocate_kv_cache(
             self.mm, self.model, kv_cache_spec(self.model, self.config), num_blocks
         )
-
-
-def split_draft_weights(
-    weights: Iterable[tuple[str, torch.Tensor]],
-) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """``(target's, draft's)``: the draft's are the ``draft.``-named ones, prefix stripped."""
-    target, draft = [], []
-    for name, tensor in weights:
-        if name.startswith(DRAFT_PREFIX):
-            draft.append((name[len(DRAFT_PREFIX) :], tensor))
-        else:
-            target.append((name, tensor))
-    return target, draft
 
 
 def create_draft(

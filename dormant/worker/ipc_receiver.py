@@ -30,6 +30,7 @@ at ``release()``); a sender that reuses its buffers holds nothing extra.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from torch.multiprocessing import reductions
 from dormant.core.commands import Command
 from dormant.core.errors import UnsupportedOptionError
 from dormant.models import CausalLM
-from dormant.worker.copy_plan import CopyPlans
+from dormant.worker.copy_plan import BucketItem, CopyPlans
 from dormant.worker.ipc_payload import (
     LocalSerializedTensor,
     SerializedEntry,
@@ -49,10 +50,10 @@ from dormant.worker.ipc_payload import (
 from dormant.worker.ipc_weights import (
     FLATTENED_BUCKET,
     LOAD_FORMATS,
-    apply_named_tensors,
     bucket_items,
 )
 from dormant.worker.transfer_errors import WeightTransferError
+from dormant.worker.weight_routes import Draft, WeightRoutes
 
 # Commands between which a refit's handles stay open: the refit itself and read-only queries.
 # Any other (execute, sleep, wake_up, shutdown...) ends the refit and releases them first.
@@ -132,8 +133,11 @@ class IpcReceiver:
         *,
         load_format: str | None = None,
         tp_rank: int = 0,
+        draft: Draft | None = None,
     ) -> set[str]:
-        """Rebuilds this rank's entry and writes it into ``model``; returns the names written.
+        """Rebuilds this rank's entry and writes it into ``model`` and ``draft`` (speculative
+        decoding's: the names it owns go to it, ``weight_routes.py``); returns the names
+        written, as the rank's record has them.
 
         Raises ``UnsupportedOptionError`` for an unknown ``load_format``, ``WeightTransferError``
         when the entry cannot be rebuilt (nothing was written), ``WeightError`` when a name,
@@ -149,16 +153,30 @@ class IpcReceiver:
         try:
             entry = rank_entry(serialized_named_tensors, tp_rank)
             payload = deserialize_payload(entry, self.handles.rebuild_cuda_tensor)
+            routes = WeightRoutes(model, draft)
             if load_format == FLATTENED_BUCKET:
-                flat_bytes, items = bucket_items(payload)
-                written = self.plans.get(model, items).run(model, flat_bytes)
+                written = self._run_bucket(routes, *bucket_items(payload))
             else:
                 named = [(name, _unwrap(value, tp_rank)) for name, value in _named_pairs(payload)]
-                written = apply_named_tensors(model, named)
+                written = routes.apply_named_tensors(named)
         except BaseException:
             self.handles.release()
             raise
         self.handles.end_payload()
+        return written
+
+    def _run_bucket(
+        self, routes: WeightRoutes, flat_bytes: Tensor, items: list[BucketItem]
+    ) -> set[str]:
+        """Plans the target's entries against the target and the draft's against the draft
+        (both plans built, so every entry validated, before either runs), then runs them."""
+        target_items, draft_items = _split_items(routes, items)
+        plans = self.plans
+        target_plan = plans.get(routes.target, target_items) if target_items or not items else None
+        draft_plan = plans.get(routes.draft_model, draft_items) if draft_items else None
+        written = target_plan.run(routes.target, flat_bytes) if target_plan else set()
+        if draft_plan is not None:
+            written |= routes.recorded(draft_plan.run(routes.draft_model, flat_bytes))
         return written
 
     def release(self) -> None:
@@ -182,6 +200,14 @@ def update_weights_from_tensor(
         )
     finally:
         receiver.release()
+
+
+def _split_items(
+    routes: WeightRoutes, items: list[BucketItem]
+) -> tuple[list[BucketItem], list[BucketItem]]:
+    """``(target's, draft's)`` items of a bucket, the draft's under the draft model's names."""
+    target, draft = routes.split((item.name, item) for item in items)
+    return [item for _, item in target], [replace(item, name=name) for name, item in draft]
 
 
 def _named_pairs(payload: Any) -> list[tuple[str, Any]]:

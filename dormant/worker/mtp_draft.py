@@ -10,13 +10,13 @@ KV, entries at rejected positions are stale past the sequence's length and overw
 
 Refits. Its weights keep their checkpoint names (``model.mtp_layers.*``) in the rank's
 ``RefitRecord``: a level-2 sleep makes them stale with the target's; ``reload_weights`` reloads
-them from the target's checkpoint; ``update_weights`` routes those names to it. The embedding
-and head are the target's tensors, so refitting the target refits them for the draft too.
+them from the target's checkpoint; ``update_weights`` and every other refit path route those
+names to it (``weight_routes.py``). The embedding and head are the target's tensors, so
+refitting the target refits them for the draft too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import cast
 
 import torch
@@ -26,7 +26,6 @@ from dormant.core.speculative_config import SpeculativeConfig
 from dormant.memory import KV_CACHE, WEIGHTS, MemoryManager
 from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
 from dormant.models.mtp import MTPDraft, is_mtp_weight
-from dormant.worker import ipc_weights
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.refit_record import RefitRecord
 
@@ -67,19 +66,13 @@ class MTPDraftModel:
         weights = ((n, t) for n, t in iterate_safetensors(path) if is_mtp_weight(n))
         return tuple(sorted(model.load_weights(weights)))
 
-    def split(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-        """``(target's, draft's)``: the draft's are the checkpoint's ``model.mtp_layers.*``."""
-        target: list[tuple[str, torch.Tensor]] = []
-        draft: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in weights:
-            (draft if is_mtp_weight(name) else target).append((name, tensor))
-        return target, draft
+    def own_name(self, name: str) -> str | None:
+        """A refit's MTP names (``model.mtp_layers.*``) are the draft's, as they are
+        (``weight_routes.py``); None for any other name (the target's)."""
+        return name if is_mtp_weight(name) else None
 
-    def update(self, weights: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
-        names = ipc_weights.apply_named_tensors(cast(CausalLM, self.model), list(weights))
-        return tuple(sorted(names))
+    def recorded_name(self, name: str) -> str:
+        return name
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor | None,

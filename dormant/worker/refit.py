@@ -28,6 +28,7 @@ from dormant.worker.draft_model import DraftModel
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.update_group import DTypeLike, WeightUpdateGroups
+from dormant.worker.weight_routes import WeightRoutes
 
 # Serialized entries (one per TP rank, or one for all), or named tensors in-process.
 TensorPayload = (
@@ -77,31 +78,27 @@ class Refitter:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
         """HF-named tensors (floats of any dtype, cast on copy), validated before any write;
         a draft model's under ``draft.`` (``worker/draft_model.py``), MTP layers' under their
-        checkpoint names (``worker/mtp_draft.py``)."""
+        checkpoint names (``worker/mtp_draft.py``); every refit path routes names this way
+        (``worker/weight_routes.py``)."""
         self._check_writable("update_weights")
-        draft = self._draft()
-        if draft is None:
-            return _sorted(ipc_weights.apply_named_tensors(self._model(), list(weights)))
-        target_weights, draft_weights = draft.split(weights)
-        draft.model.check_weights([(n, t.shape, t.dtype) for n, t in draft_weights])
-        names = ipc_weights.apply_named_tensors(self._model(), target_weights)
-        return _sorted((*names, *draft.update(draft_weights)))
+        return _sorted(self._routes().apply_named_tensors(list(weights)))
 
     def update_weights_from_tensor(
         self, named_tensors: TensorPayload, load_format: str | None = None
     ) -> tuple[str, ...]:
         """SGLang's ``update_weights_from_tensor``: this rank's entry of serialized IPC handles
-        (named tensors, or a ``"flattened_bucket"``), or, in-process, the named tensors."""
+        (named tensors, or a ``"flattened_bucket"``), or, in-process, the named tensors; the
+        draft's names as ``update_weights`` takes them."""
         self._check_writable("update_weights_from_tensor")
-        model = self._model()
         if isinstance(named_tensors, list) and _is_named_tensors(named_tensors):
-            return _sorted(ipc_weights.apply_named_tensors(model, named_tensors))
+            return _sorted(self._routes().apply_named_tensors(named_tensors))
         entries = cast(
             ipc_weights.SerializedEntry | Sequence[ipc_weights.SerializedEntry], named_tensors
         )
         names = self.ipc.update_weights_from_tensor(
-            model, entries, load_format=load_format, tp_rank=self.tp_rank
-        )
+            self._model(), entries, load_format=load_format, tp_rank=self.tp_rank,
+            draft=self._draft(),
+        )  # fmt: skip
         return _sorted(names)
 
     def end_ipc_refit(self) -> None:
@@ -130,15 +127,20 @@ class Refitter:
         group_name: str = "weight_update_group",
         load_format: str | None = None,
     ) -> tuple[str, ...]:
-        """Receives a broadcast from the trainer (rank 0 of the group) in bounded buckets."""
+        """Receives a broadcast from the trainer (rank 0 of the group) in bounded buckets; the
+        draft's names as ``update_weights`` takes them."""
         self._check_writable("update_weights_from_distributed")
         names_written = self.groups.update_weights_from_distributed(
-            self._model(), names, dtypes, shapes, group_name, load_format=load_format
-        )
+            self._model(), names, dtypes, shapes, group_name, load_format=load_format,
+            draft=self._draft(),
+        )  # fmt: skip
         return _sorted(names_written)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         self.groups.destroy_weights_update_group(group_name)
+
+    def _routes(self) -> WeightRoutes:
+        return WeightRoutes(self._model(), self._draft())
 
     def load_checkpoint(self, path: str | None) -> tuple[str, ...]:
         model = self._model()

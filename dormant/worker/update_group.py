@@ -16,11 +16,12 @@ Receiving, per ``update_weights_from_distributed`` call::
     "flattened_bucket"  one uint8 buffer: the tensors'    that buffer (the trainer sizes it)
                         bytes back to back, in order
 
-Every tensor goes through one ``model.load_weights`` call fed by a generator, so a broadcast
-that fails or times out partway fails that call, and the model's observer marks every weight
-stale. A request whose names or shapes do not fit is refused before anything is written; its
-broadcasts are still received (and dropped) so the trainer is not left blocked. A failed
-broadcast destroys the group: the trainer must create it again.
+Every tensor goes through a ``load_weights`` call fed by a generator (one call, or one per run
+of consecutive names of the target or of speculative decoding's draft, ``weight_routes.py``), so
+a broadcast that fails or times out partway fails such a call, and the model's observer marks
+every weight stale. A request whose names or shapes do not fit is refused before anything is
+written; its broadcasts are still received (and dropped) so the trainer is not left blocked. A
+failed broadcast destroys the group: the trainer must create it again.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.distributed import distributed_c10d as c10d
 from dormant.models import CausalLM, WeightError
 from dormant.worker.ipc_weights import DEFAULT_BUCKET_BYTES, FLATTENED_BUCKET
 from dormant.worker.transfer_errors import UpdateGroupError, WeightTransferError
+from dormant.worker.weight_routes import Draft, WeightRoutes
 
 DEFAULT_TIMEOUT_S = 60.0
 BACKENDS = ("nccl", "gloo")
@@ -167,23 +169,27 @@ class WeightUpdateGroups:
         group_name: str,
         *,
         load_format: str | None = None,
+        draft: Draft | None = None,
     ) -> set[str]:
-        """Receives rank 0's broadcast of each named tensor and loads it; returns the names
-        written. Raises ``WeightError`` (nothing written, the broadcasts were drained) when a
-        name, shape or dtype does not fit, ``WeightTransferError`` (every weight marked stale,
-        the group destroyed) when a broadcast fails or times out, and ``UpdateGroupError`` for
-        an unknown group, format or malformed lists (nothing received or written)."""
+        """Receives rank 0's broadcast of each named tensor and loads it into ``model``, or into
+        ``draft`` for the names speculative decoding's draft owns (``weight_routes.py``);
+        returns the names written, as the rank's record has them. Raises ``WeightError``
+        (nothing written, the broadcasts were drained) when a name, shape or dtype does not
+        fit, ``WeightTransferError`` (every weight marked stale, the group destroyed) when a
+        broadcast fails or times out, and ``UpdateGroupError`` for an unknown group, format or
+        malformed lists (nothing received or written)."""
         group = self._get(group_name)
         specs = _specs(names, dtypes, shapes)
         if load_format not in (None, FLATTENED_BUCKET):
             raise UpdateGroupError(f"load_format={load_format!r}: use None or {FLATTENED_BUCKET!r}")
+        routes = WeightRoutes(model, draft)
         try:
-            model.check_weights([(s.name, s.shape, s.dtype) for s in specs])
+            routes.check_weights([(s.name, s.shape, s.dtype) for s in specs])
         except WeightError:
             for _ in self._receive(group_name, group, specs, load_format):
                 pass  # keep in step with the trainer; nothing is written
             raise
-        return model.load_weights(self._receive(group_name, group, specs, load_format))
+        return routes.load_weights(self._receive(group_name, group, specs, load_format))
 
     def _receive(
         self,

@@ -2,7 +2,8 @@
 CPU: greedy output identical to decoding without it (k = 1, 3, 5); each step's first draft is
 what the MTP layer predicts from the target's hidden states (a plain-torch reference, which
 checks the hidden cache the drafts read across steps); a level-2 sleep leaves the MTP layers
-stale until refit, and reload_weights brings back the very same drafts."""
+stale until refit, and reload_weights (or a flattened bucket of the whole checkpoint, MTP names
+included) brings back the very same drafts."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dormant import LLM, SamplingParams
 from dormant.core.errors import UnsupportedOptionError, WeightsNotLoadedError
 from dormant.models import ModelConfig, iterate_safetensors
 from dormant.worker import spec_step
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, flattened_bucket_request
 from tests.engine.conftest import tokens
 
 # tests/models is not a package: its modules import each other by their plain names
@@ -151,3 +153,34 @@ def test_mtp_needs_a_checkpoint_with_mtp_layers(checkpoint: Path) -> None:
     with pytest.raises(UnsupportedOptionError, match="MTP layers"):
         LLM(str(checkpoint), speculative_config={"method": "mtp", "num_speculative_tokens": 2},
             **OPTIONS)  # fmt: skip
+
+
+def test_a_flattened_bucket_refits_the_mtp_layers_after_a_level_2_sleep(
+    engines, mimo, first_drafts
+) -> None:
+    """The whole checkpoint, MTP names as they are, in one bucket of shared handles."""
+    path = mimo[0]
+    llm = make(engines, path, k=2)
+    before = tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False))
+    drafts_before = list(first_drafts)
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    entries, _flat = flattened_bucket_request(list(iterate_safetensors(str(path))))
+    llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
+    llm.wake_up(["kv_cache"])
+    first_drafts.clear()
+    assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == before
+    assert first_drafts == drafts_before  # the MTP layers were refit from the bucket
+
+
+def test_a_bucket_with_mtp_names_refits_a_target_without_speculation(mimo, reference) -> None:
+    """Without MTP the target skips the MTP names, in a bucket as in ``load_weights``."""
+    llm = LLM(str(mimo[0]), **OPTIONS)
+    try:
+        llm.sleep(level=2)
+        llm.wake_up()
+        entries, _flat = flattened_bucket_request(list(iterate_safetensors(str(mimo[0]))))
+        llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
+        assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
+    finally:
+        llm.shutdown()

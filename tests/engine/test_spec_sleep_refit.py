@@ -1,11 +1,15 @@
 """The draft model through sleep and refit (issue 19, part 2), on the CPU: its weights live in
 ``weights`` and its KV in ``kv_cache``; a level-2 sleep makes it stale with the target, and
 generating refuses until it was refit too; ``reload_weights`` refits both, ``update_weights``
-takes the draft's tensors under ``draft.``. The prior art's failure (a draft left stale after a
+takes the draft's tensors under ``draft.``, and so do SGLang's ``update_weights_from_tensor``
+(a flattened bucket of shared handles) and ``update_weights_from_distributed`` (a broadcast
+from a trainer in another process, over gloo). The prior art's failure (a draft left stale after a
 refit, every draft silently rejected) shows as the acceptance rate: equal before and after."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,10 @@ import torch
 
 from dormant import LLM
 from dormant.core.errors import WeightsNotLoadedError
-from dormant.models import iterate_safetensors
+from dormant.executors.multiproc import free_port
+from dormant.models import WeightError, iterate_safetensors
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, flattened_bucket_request
+from dormant.worker.update_group import broadcast_weights, create_update_group
 from tests.engine.conftest import GREEDY, PROMPTS, tokens, worker_of
 
 OPTIONS = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
@@ -98,3 +105,111 @@ def test_bad_draft_names_are_refused_before_any_write(llm: LLM, checkpoint: Path
     with pytest.raises(Exception, match="nope"):
         llm.update_weights(bad)
     assert torch.equal(embed, saved)
+
+
+# ── the cross-process refit paths take the draft's names too ──────────────────────────────
+
+K2 = 2  # speculative tokens of the engines below
+
+
+def _self_speculating(path: Path) -> LLM:
+    spec = {"model": str(path), "num_speculative_tokens": K2}
+    return LLM(str(path), speculative_config=spec, memory_strict=True, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def expected_other(other_checkpoint: Path) -> list[tuple[int, ...]]:
+    """A fresh engine's tokens with self-speculation on the other checkpoint."""
+    reference = _self_speculating(other_checkpoint)
+    try:
+        return tokens(reference.generate(PROMPTS, GREEDY, use_tqdm=False))
+    finally:
+        reference.shutdown()
+
+
+def _target_and_draft(path: Path) -> list[tuple[str, torch.Tensor]]:
+    """Every weight of ``path`` twice: as the target's and under ``draft.``."""
+    weights = list(iterate_safetensors(str(path)))
+    return [*weights, *((f"draft.{name}", tensor) for name, tensor in weights)]
+
+
+def _asleep_then_weights_awake(path: Path) -> LLM:
+    llm = _self_speculating(path)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    return llm
+
+
+def test_a_flattened_bucket_refits_target_and_draft_after_a_level_2_sleep(
+    checkpoint: Path, other_checkpoint: Path, expected_other: list[tuple[int, ...]]
+) -> None:
+    llm = _asleep_then_weights_awake(checkpoint)
+    try:
+        entries, flat = flattened_bucket_request(_target_and_draft(other_checkpoint))
+        llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
+        del flat
+        llm.wake_up(["kv_cache"])
+        _fresh_stats(llm)
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected_other
+        assert _acceptance(llm) == 1.0  # the draft is the new target, not the old one
+    finally:
+        llm.shutdown()
+
+
+def test_a_bucket_of_the_target_alone_leaves_the_draft_stale(
+    checkpoint: Path, other_checkpoint: Path
+) -> None:
+    llm = _asleep_then_weights_awake(checkpoint)
+    try:
+        target = list(iterate_safetensors(str(other_checkpoint)))
+        entries, _flat = flattened_bucket_request(target)
+        llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
+        llm.wake_up(["kv_cache"])
+        with pytest.raises(WeightsNotLoadedError, match="draft\\."):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        bad = [*((f"draft.{n}", t) for n, t in target), ("draft.nope", target[0][1])]
+        entries, _bad_flat = flattened_bucket_request(bad)
+        with pytest.raises(WeightError, match="nope"):  # refused: nothing written
+            llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
+        with pytest.raises(WeightsNotLoadedError, match="draft\\."):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+GROUP = "spec-refit"
+
+
+def _trainer(port: int, path: str, conn: Connection) -> None:
+    """Rank 0 of a weight-update group: broadcasts the target's and the draft's weights."""
+    group = create_update_group("127.0.0.1", port, 0, 2, GROUP, "gloo", timeout_s=60)
+    weights = _target_and_draft(Path(path))
+    conn.send([(name, str(t.dtype), list(t.shape)) for name, t in weights])
+    broadcast_weights(group, weights, timeout_s=60)
+    conn.recv()
+
+
+def test_a_weight_update_group_refits_target_and_draft_after_a_level_2_sleep(
+    checkpoint: Path, other_checkpoint: Path, expected_other: list[tuple[int, ...]]
+) -> None:
+    llm = _asleep_then_weights_awake(checkpoint)
+    context = mp.get_context("spawn")
+    port, (conn, child) = free_port(), context.Pipe()
+    trainer = context.Process(target=_trainer, args=(port, str(other_checkpoint), child))
+    trainer.start()
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
+        names, dtypes, shapes = zip(*conn.recv(), strict=True)
+        llm.update_weights_from_distributed(names, dtypes, shapes, GROUP)
+        conn.send(None)
+        llm.destroy_weights_update_group(GROUP)
+        llm.wake_up(["kv_cache"])
+        _fresh_stats(llm)
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected_other
+        assert _acceptance(llm) == 1.0
+    finally:
+        trainer.join(timeout=30)
+        if trainer.is_alive():
+            trainer.kill()
+        llm.shutdown()

@@ -22,8 +22,10 @@ from torch.multiprocessing import reductions
 
 from dormant.core.commands import Command
 from dormant.models import WeightError
+from dormant.worker.draft_model import DraftModel, PrefixedObserver
 from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS, IpcHandles, IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET, iter_buckets, pack_flattened_bucket
+from dormant.worker.refit_record import RefitRecord
 from dormant.worker.worker import Worker
 from tests.worker.test_copy_plan import (
     TINY_LLAMA,
@@ -162,3 +164,59 @@ def test_the_worker_ends_the_ipc_refit_on_any_other_command(command: Command) ->
     )
     Worker.handle(worker, command)  # type: ignore[arg-type]
     assert calls == (["ran"] if command in IPC_REFIT_COMMANDS else ["end", "ran"])
+
+
+# ── speculative decoding's draft in the same buckets ───────────────────────────────────────
+
+
+def target_and_draft() -> tuple[Any, DraftModel, RefitRecord]:
+    """A target and a draft model sharing one record, as a worker's (``draft.`` names)."""
+    target, draft = tiny(TINY_LLAMA), object.__new__(DraftModel)
+    draft.model = tiny(TINY_LLAMA)
+    record = RefitRecord((*target.expected_weight_shapes(), *draft.weight_names))
+    target.weight_observer, draft.model.weight_observer = record, PrefixedObserver(record)
+    record.discarded()  # as after a level-2 sleep
+    return target, draft, record
+
+
+def test_a_bucket_of_target_and_draft_names_refits_both_with_a_plan_per_model(
+    driver: FakeDriver,
+) -> None:
+    target, draft, record = target_and_draft()
+    driver.buffers[b"big"] = np.zeros(4 << 20, dtype=np.uint8)
+    receiver = IpcReceiver(driver.handles())
+    for seed in (1, 2):
+        target_named, draft_named = new_weights(target, seed), new_weights(target, seed + 10)
+        prefixed = [("draft." + n, t) for n, t in draft_named]
+        bucket = [*prefixed[:3], *target_named, *prefixed[3:]]  # the names in any order
+        entry = send(driver, b"big", bucket, b"e")
+        written = receiver.update_weights_from_tensor(
+            target, [entry], load_format=FLATTENED_BUCKET, draft=draft
+        )
+        assert written == record.names and not record.stale
+        assert_state_equal(state(target), expected_state(TINY_LLAMA, target_named))
+        assert_state_equal(state(draft.model), expected_state(TINY_LLAMA, draft_named))
+    assert len(receiver.plans.of(target)) == len(receiver.plans.of(draft.model)) == 1
+    assert receiver.plans.num_built == 2  # the second refit reused both plans
+
+
+def test_a_bad_draft_name_in_a_bucket_is_refused_before_any_write(driver: FakeDriver) -> None:
+    target, draft, record = target_and_draft()
+    driver.buffers[b"big"] = np.zeros(4 << 20, dtype=np.uint8)
+    receiver = IpcReceiver(driver.handles())
+    before, draft_before = state(target), state(draft.model)
+    named = new_weights(target, 5)
+    bucket = [*named, *(("draft." + n, t) for n, t in named[:2]), ("draft.nope", named[0][1])]
+    with pytest.raises(WeightError, match="nope"):
+        receiver.update_weights_from_tensor(
+            target, [send(driver, b"big", bucket, b"e")], load_format=FLATTENED_BUCKET,
+            draft=draft,
+        )  # fmt: skip
+    assert_state_equal(state(target), before)
+    assert_state_equal(state(draft.model), draft_before)
+    assert record.stale == set(record.names)  # still all stale: nothing was written
+    # without a draft, a draft. name is the target's unknown name
+    with pytest.raises(WeightError, match=r"draft\.model\.embed_tokens\.weight"):
+        receiver.update_weights_from_tensor(
+            target, [send(driver, b"big", bucket[-3:-1], b"e")], load_format=FLATTENED_BUCKET
+        )
