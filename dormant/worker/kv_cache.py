@@ -3,7 +3,8 @@
 Layout: ``backing[layer, k|v, block, offset, kv_head, head_dim]``; layer ``i``'s attention gets
 the view ``backing[i]``. This is the *only* allocation the engine makes in ``kv_cache`` (DESIGN §3
 invariant 1): block tables, slot mappings and scales live in ``runtime``, so discarding the cache
-at sleep loses KV data and nothing else, and waking it needs no recovery.
+at sleep loses KV data and nothing else, and waking it needs no recovery. ``num_local_blocks``
+sizes it on one rank (the engine takes the MIN over ranks).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from dormant.core.config import EngineConfig
 from dormant.memory import KV_CACHE, MemoryManager
 from dormant.models import CausalLM
+
+DEFAULT_HOST_KV_BYTES = 64 << 20  # the KV cache's size on the host backend, unless configured
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,27 @@ def allocate_kv_cache(
     for layer, view in zip(model.attention_layers(), backing, strict=True):
         layer.kv_cache = view
     return backing
+
+
+def num_local_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int) -> int:
+    """KV blocks that fit on this rank: the configured count or bytes, else a fixed budget on
+    the host, else what ``gpu_memory_utilization`` leaves free after the activations' headroom."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if config.kv_cache_memory_bytes is not None:
+        return max(config.kv_cache_memory_bytes, 0) // bytes_per_block
+    if device.type != "cuda":
+        return DEFAULT_HOST_KV_BYTES // bytes_per_block
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - (1.0 - config.gpu_memory_utilization) * total - activation_bytes(config)
+    return max(int(budget), 0) // bytes_per_block
+
+
+def activation_bytes(config: EngineConfig) -> int:
+    """Headroom kept free for activations, logits and the reference attention's scores."""
+    c, m = config, config.model_config
+    tokens = c.max_num_batched_tokens
+    per_token = (4 * m.hidden_size + 3 * m.intermediate_size) * m.dtype.itemsize * 2
+    scores = tokens * m.num_attention_heads * c.max_model_len * 4 * 2
+    logits = c.max_num_seqs * m.vocab_size * 4 * 4
+    return tokens * per_token + scores + logits

@@ -3,9 +3,9 @@
 Lifecycle: ``load_model`` → ``num_available_blocks`` (the engine takes the MIN over ranks) →
 ``init_kv_cache`` → ``execute`` / ``sleep`` / ``wake_up`` / weight updates → ``shutdown``.
 
-Sleep and wake only ever touch memory: no model-runner state is rebuilt on wake (DESIGN §3
-invariant 2). Every tensor a graph can see is guarded, so a violation raises instead of
-replaying against stale addresses.
+Sleep and wake (``rank_sleep.py``) only ever touch memory: no model-runner state is rebuilt on
+wake (DESIGN §3 invariant 2). Every tensor a graph can see is guarded, so a violation raises
+instead of replaying against stale addresses.
 """
 
 from __future__ import annotations
@@ -25,29 +25,23 @@ from dormant.core.step_output import StepOutput
 from dormant.distributed.comm_sleep import CommunicatorSleep
 from dormant.distributed.parallel_state import all_reduce_min, get_tp_group
 from dormant.memory import (
-    KV_CACHE,
-    LEVELS,
     RUNTIME,
     WEIGHTS,
     AuditReport,
     MemoryManager,
     MemoryStatus,
-    Policy,
-    TagState,
 )
-from dormant.memory.process_checkpoint import CommunicatorActiveError
 from dormant.models import CausalLM, ModelConfig, build_model
 from dormant.worker.draft_model import DraftModel, create_draft
 from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS
-from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
+from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec, num_local_blocks
 from dormant.worker.model_runner import ModelRunner
 from dormant.worker.mtp_draft import MTPDraftModel
+from dormant.worker.rank_sleep import RankSleep, captures_collectives
 from dormant.worker.refit import Refitter, check_awake
 from dormant.worker.refit_record import RefitRecord
 from dormant.worker.spec_step import SpecStep
-
-DEFAULT_HOST_KV_BYTES = 64 << 20
 
 
 class Worker:
@@ -77,11 +71,13 @@ class Worker:
         self.draft: DraftModel | MTPDraftModel | None = None  # speculative decoding's draft
         self._spec_step: SpecStep | None = None
         self.refits = RefitRecord(())  # replaced once the model is built
-        self.num_kv_discards = 0  # sleeps of the KV cache: its contents are gone after each
         self.refitter = Refitter(config, self.mm, lambda: self.model, rank, lambda: self.draft)
         self.comm_sleep = CommunicatorSleep(
-            get_tp_group(), config.comm_sleep, captures_collectives=self._captures_collectives()
+            get_tp_group(),
+            config.comm_sleep,
+            captures_collectives=captures_collectives(self.device, config, world_size),
         )
+        self.rank_sleep = RankSleep(self.mm, self.comm_sleep, lambda: self.refits, rank, world_size)
         self._handlers: dict[Command, Callable[..., Any]] = {
             Command.LOAD_MODEL: self.load_model,
             Command.NUM_AVAILABLE_BLOCKS: self.num_available_blocks,
@@ -185,16 +181,7 @@ class Worker:
         """A block's bytes are the target's and the draft's: both index the same blocks."""
         per_block = kv_cache_spec(self.model, self.config).bytes_per_block
         per_block += self.draft.kv_bytes_per_block() if self.draft is not None else 0
-        config = self.config
-        if config.num_gpu_blocks_override is not None:
-            return config.num_gpu_blocks_override
-        if config.kv_cache_memory_bytes is not None:
-            return max(config.kv_cache_memory_bytes, 0) // per_block
-        if self.mm.backend.device.type != "cuda":
-            return DEFAULT_HOST_KV_BYTES // per_block
-        free, total = torch.cuda.mem_get_info(self.mm.backend.device)
-        budget = free - (1.0 - config.gpu_memory_utilization) * total - self._activation_bytes()
-        return max(int(budget), 0) // per_block
+        return num_local_blocks(self.config, self.mm.backend.device, per_block)
 
     def init_kv_cache(self, num_blocks: int) -> int:
         """Allocates ``num_blocks`` KV blocks plus one null block (id ``num_blocks``, owned by
@@ -231,76 +218,26 @@ class Worker:
     def sleep(
         self, level: int, tags: Sequence[str] | None = None, release_context: bool = False
     ) -> RankSleepState:
-        """Puts this rank's memory to sleep with ``level``'s policies: every tag, or only
-        ``tags``. Discarding the weights marks every weight stale, even if the sleep fails
-        after discarding some of them. Then torch's cuBLAS workspaces and cache go back to the
-        driver, and with ``release_context`` the driver checkpoints the rest of the process's
-        device state, its CUDA context included (``check_release_context`` says when it
-        cannot, before anything changes); ``wake_up`` restores it. Returns the state after."""
-        policies = dict(LEVELS[level])
-        if tags is not None:
-            policies = {tag: policies[tag] for tag in tags}
-        if self.mm.context.is_released:
-            return self._sleep_while_released(policies)
-        if release_context:
-            self.check_release_context()
-        was_awake = self.mm.tag_states()[WEIGHTS] is TagState.AWAKE
-        if KV_CACHE in policies:  # counted first: a sleep that fails may have discarded some
-            self.num_kv_discards += 1
-        try:
-            self.mm.sleep(tags=policies)
-        finally:
-            discards = policies.get(WEIGHTS) is Policy.DISCARD
-            if discards and was_awake and self.mm.tag_states()[WEIGHTS] is not TagState.AWAKE:
-                self.refits.discarded()
-        self.mm.residual.release_torch_memory()  # back to the driver, and to a trainer
-        if tags is None and not self.comm_sleep.released:  # the whole engine sleeps
-            self.comm_sleep.release()  # its communicator's memory goes too
-        if release_context:
-            self.mm.context.release()
-        return self.sleep_state()
+        """Puts this rank's memory to sleep (``RankSleep.sleep``); returns the state after."""
+        return self.rank_sleep.sleep(level, tags, release_context)
 
     def check_release_context(self) -> None:
-        """Raises, changing nothing, if this rank cannot release its process's CUDA context:
-        NCCL communicators (a tensor-parallel rank, a weight-update group over NCCL:
-        CommunicatorActiveError), a driver without the checkpoint API
-        (CheckpointUnsupportedError)."""
-        if self.world_size > 1:
-            raise CommunicatorActiveError(
-                f"rank {self.rank} of {self.world_size}: a tensor-parallel engine's NCCL "
-                "communicator cannot be checkpointed; release_context is for one GPU"
-            )
-        self.mm.context.check()
-
-    def _sleep_while_released(self, policies: dict[str, Policy]) -> RankSleepState:
-        """A sleep that would change nothing is a no-op while the CUDA state is checkpointed
-        (callers sleep defensively); any other needs the device and raises."""
-        tags = {t.tag: t for t in self.mm.status().tags}
-        if any(tags[tag].num_allocations and tags[tag].asleep_policy is not p
-               for tag, p in policies.items() if p is not Policy.KEEP):  # fmt: skip
-            self.mm.context.check_usable(f"sleep with {policies}")
-        return self.sleep_state()
+        """Raises, changing nothing, if this rank cannot release its process's CUDA context
+        (``RankSleep.check_release_context``)."""
+        self.rank_sleep.check_release_context()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> RankSleepState:
         """Wakes ``tags`` (all when None); returns the state after the wake."""
-        self.comm_sleep.restore()  # first: waking may run collectives
-        self.mm.wake_up(tags)
-        return self.sleep_state()
-
-    def _captures_collectives(self) -> bool:
-        """Whether the decode graphs will capture the TP group's collectives."""
-        on_gpu = torch.device(self.device).type == "cuda"
-        return on_gpu and not self.config.enforce_eager and self.world_size > 1
+        return self.rank_sleep.wake_up(tags)
 
     def sleep_state(self) -> RankSleepState:
         """This rank's memory state per tag and its stale weights, derived now."""
-        return RankSleepState(
-            tags=tuple(self.mm.tag_states().items()),
-            stale_weights=frozenset(self.refits.stale),
-            num_weights=len(self.refits.names),
-            num_weight_writes=self.refits.num_writes,
-            num_kv_discards=self.num_kv_discards,
-        )
+        return self.rank_sleep.state()
+
+    @property
+    def num_kv_discards(self) -> int:
+        """Sleeps of the KV cache: its contents are gone after each."""
+        return self.rank_sleep.num_kv_discards
 
     def kv_cache_scales(self) -> list[tuple[float, float]]:
         """Every attention layer's (k_scale, v_scale): calibrated state that must survive sleep."""
@@ -334,15 +271,6 @@ class Worker:
         if self.mm.backend.device.type == "cuda":
             torch.cuda.empty_cache()
         self.mm.close()
-
-    def _activation_bytes(self) -> int:
-        """Headroom kept free for activations, logits and the reference attention's scores."""
-        c, m = self.config, self.config.model_config
-        tokens = c.max_num_batched_tokens
-        per_token = (4 * m.hidden_size + 3 * m.intermediate_size) * m.dtype.itemsize * 2
-        scores = tokens * m.num_attention_heads * c.max_model_len * 4 * 2
-        logits = c.max_num_seqs * m.vocab_size * 4 * 4
-        return tokens * per_token + scores + logits
 
 
 def create_worker(
