@@ -2,9 +2,9 @@
 
 Its sleep state has one owner, ``SleepControl`` (``sleep_control.py``, where the rules are
 written down as a table); the memory state per tag lives in each worker's MemoryManager and
-reaches the engine as each rank's ``RankSleepState``. In-flight requests at a sleep are handled
-by mode: ``abort`` finishes them, ``wait`` drains them first, ``keep`` pauses them and, where
-the KV cache is discarded, recomputes their KV after the wake.
+reaches the engine as each rank's ``RankSleepState``. ``EngineSleep`` (``engine_sleep.py``)
+carries out sleep, pause and wake, in-flight requests first, by mode. Start-up, and what the
+engine learns in it, is ``engine_start.py``.
 
 The prefix cache is never stale (DESIGN §3 invariant 10), and the engine alone keeps it so:
 every rank reports how often its weights were written and its KV discarded (``RankSleepState``,
@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dormant.core.commands import PUBLIC_RPC, Command
 from dormant.core.config import EngineConfig
-from dormant.core.errors import SleepModeDisabledError
 from dormant.core.sampling_params import SamplingParams
-from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
+from dormant.engine.engine_sleep import EngineSleep
+from dormant.engine.engine_start import (
+    EngineRuntime,
+    engine_tokenizer,
+    scheduler_config,
+    start_workers,
+)
 from dormant.engine.engine_status import EngineMemoryStatus
 from dormant.engine.model_config_view import ModelConfigView
 from dormant.engine.output_processor import OutputProcessor
@@ -36,21 +40,11 @@ from dormant.engine.refits import WeightRefits
 from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, make_request_input
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import SequenceFactory
-from dormant.engine.sleep_control import SLEEP_MODES, SleepControl, check_release_context
+from dormant.engine.sleep_control import SleepControl
 from dormant.engine.spec_stats import SpecDecodeStats
 from dormant.engine.speculation import record_step
-from dormant.engine.tokenizer import Tokenizer, load_tokenizer
+from dormant.engine.tokenizer import Tokenizer
 from dormant.executors import Executor, UniprocExecutor, make_executor
-from dormant.memory import KV_CACHE
-
-
-@dataclass(frozen=True)
-class EngineRuntime:
-    """What the engine learned while starting: sizes and ids that are not configuration."""
-
-    num_kv_blocks: int
-    eos_token_ids: frozenset[int]
-    weight_names: frozenset[str]
 
 
 class LLMEngine:
@@ -58,46 +52,23 @@ class LLMEngine:
         self.config = config
         self.executor = executor or make_executor(config)
         try:
-            weight_names = self.executor.run(Command.LOAD_MODEL)[0]
-            num_blocks = min(self.executor.run(Command.NUM_AVAILABLE_BLOCKS))  # MIN over ranks
-            if num_blocks < 1:
-                raise ValueError(
-                    "no room for a single KV block; raise gpu_memory_utilization or "
-                    "kv_cache_memory_bytes, or use a smaller model"
-                )
-            max_multi_step_seqs = min(self.executor.run(Command.INIT_KV_CACHE, num_blocks))
-            self.sleep_control = SleepControl(self.executor.run(Command.SLEEP_STATE))
+            started = start_workers(self.executor)
+            self.sleep_control = SleepControl(started.ranks)
             self.refits = WeightRefits(self.executor, self._refresh_sleep_state)
         except BaseException:
             self.executor.shutdown()
             raise
         model = config.model_config
-        self.tokenizer: Tokenizer | None = load_tokenizer(
-            config.model,
-            model.vocab_size,
-            tokenizer_dir=config.tokenizer,
-            is_random_model=config.load_format == "dummy",
-            skip_tokenizer_init=config.skip_tokenizer_init,
-            trust_remote_code=config.trust_remote_code,
-        )
+        self.tokenizer: Tokenizer | None = engine_tokenizer(config)
         eos = frozenset(model.eos_token_ids)
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
-        self.runtime = EngineRuntime(num_blocks, eos, frozenset(weight_names))
-        speculative = config.speculative_config  # its decodes verify drafts, one step each
-        num_steps = config.cuda_graph_multi_steps if max_multi_step_seqs else 1
-        limits = SchedulerConfig(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.max_model_len,
-            num_decode_steps=1 if speculative else num_steps,
-            max_multi_step_seqs=max(max_multi_step_seqs, 1),
-            enable_chunked_prefill=config.enable_chunked_prefill is not False,  # None: on
-            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
-        )
+        num_blocks = started.num_blocks
+        self.runtime = EngineRuntime(num_blocks, eos, frozenset(started.weight_names))
+        limits = scheduler_config(config, started.max_multi_step_seqs)
         # Speculative decoding's counts over every request (None: off); per request on its
         # sequences (``CompletionOutput.spec_decode_stats``)
-        self.spec_decode_stats = SpecDecodeStats() if speculative else None
+        self.spec_decode_stats = SpecDecodeStats() if config.speculative_config else None
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, eos)
         self._kv_epoch = self.sleep_control.kv_epoch  # what the cached KV was computed under
@@ -109,6 +80,15 @@ class LLMEngine:
         )
         self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
         self.model_config = ModelConfigView.of(config)
+        self._sleep = EngineSleep(
+            config,
+            self.executor,
+            self.sleep_control,
+            scheduler=lambda: self.scheduler,
+            abort_all=lambda: self.abort_request(),
+            step=lambda: self.step(),
+            refresh=lambda: self._refresh_sleep_state(),
+        )
 
     # ── requests ──────────────────────────────────────────────────────────────────────────────
 
@@ -209,40 +189,13 @@ class LLMEngine:
     def sleep(
         self, level: int = 1, mode: str = "abort", release_context: bool = False
     ) -> list[RequestOutput]:
-        """Sleeps every rank at ``level`` after handling in-flight requests by ``mode`` (level 0
-        pauses scheduling only). On a paused engine the pause's choice stands: kept requests
-        stay kept. Returns the requests that finished during the call (aborted or drained). A
-        conflicting request raises before anything changes (``SleepControl``).
-
-        ``release_context``: the driver then checkpoints what is left of each process's device
-        state, its CUDA context included (zero residual; one GPU, no NCCL group); ``wake_up``
-        restores it first. Refused before anything changes where it cannot work."""
-        self._check_sleep_mode_enabled()
-        _check_mode(mode)
-        control = self.sleep_control
-        control.check_sleep(level)
-        if release_context:
-            check_release_context(level, self.config.tensor_parallel_size)
-            self.executor.run(Command.CHECK_RELEASE_CONTEXT)
-        if control.is_paused:
-            mode = "keep"  # the pause settled the requests already; what it kept stays kept
-        elif mode == "wait" and self.scheduler.has_unfinished:
-            control.check_can_generate()  # draining needs a runnable engine
-        finished = self._settle_requests(mode, discards_kv=level > 0)
-        if level > 0:
-            release = (None, True) if release_context else ()  # (tags, release_context)
-            self._run_sleep_command(Command.SLEEP, level, *release)
-        control.asked(level)
-        return finished
+        """Sleeps every rank at ``level`` after handling in-flight requests by ``mode``;
+        returns the requests that finished during the call (``EngineSleep.sleep``)."""
+        return self._sleep.sleep(level, mode, release_context)
 
     def pause(self, mode: str = "abort") -> list[RequestOutput]:
-        """vLLM's ``pause_generation``: handles in-flight requests by ``mode`` (``keep`` leaves
-        them queued) and stops scheduling; memory is untouched. Returns the requests that
-        finished (aborted or drained)."""
-        _check_mode(mode)
-        finished = self._settle_requests(mode, discards_kv=False)
-        self.sleep_control.asked(0)
-        return finished
+        """vLLM's ``pause_generation``: stops scheduling, memory untouched (``EngineSleep``)."""
+        return self._sleep.pause(mode)
 
     def resume(self) -> None:
         """vLLM's ``resume_generation``: scheduling runs again (kept requests continue).
@@ -250,28 +203,13 @@ class LLMEngine:
         self.sleep_control.is_paused = False
 
     def release(self, tags: Sequence[str] | None = None) -> None:
-        """Tag-granular sleep (SGLang's ``release_memory_occupation``): each tag with its
-        level-1 policy. Requests in flight are kept; they recompute their KV after wake."""
-        if tags is None:
-            self.sleep(level=1, mode="keep")
-            return
-        self._check_sleep_mode_enabled()
-        named = self.sleep_control.known_tags(tags)
-        self.sleep_control.check_sleep(1, named)
-        self._settle_requests("keep", discards_kv=KV_CACHE in named)
-        self._run_sleep_command(Command.SLEEP, 1, named)
-        self.sleep_control.asked(1)
+        """Tag-granular sleep (SGLang's ``release_memory_occupation``; ``EngineSleep``)."""
+        self._sleep.release(tags)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> bool:
-        """Wakes ``tags`` (all when None) on every rank; returns whether the engine is now
-        fully awake. Unknown tags raise and change nothing.
-
-        vLLM's two tags wake what goes with them (``WAKE_GROUPS``), so its RL sequence
-        ``wake_up(["weights"])`` → refit → ``wake_up(["kv_cache"])`` leaves nothing asleep.
-        """
-        self._run_sleep_command(Command.WAKE_UP, self.sleep_control.wake_tags(tags))
-        self.sleep_control.woke()
-        return not self.sleep_control.is_sleeping
+        """Wakes ``tags`` (all when None) on every rank, each with its group; returns whether
+        the engine is now fully awake (``EngineSleep.wake_up``)."""
+        return self._sleep.wake_up(tags)
 
     # ── weights ───────────────────────────────────────────────────────────────────────────────
 
@@ -350,39 +288,6 @@ class LLMEngine:
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
 
-    def _check_sleep_mode_enabled(self) -> None:
-        if not self.config.enable_sleep_mode:
-            raise SleepModeDisabledError(
-                "sleep and release need LLM(..., enable_sleep_mode=True); this engine was "
-                "built without it"
-            )
-
-    def _settle_requests(self, mode: str, *, discards_kv: bool) -> list[RequestOutput]:
-        """Handles in-flight requests before memory sleeps: ``abort`` finishes them, ``wait``
-        runs them to completion, ``keep`` keeps them (recomputing their KV if it is about to
-        be discarded). Returns the requests that finished."""
-        if not self.scheduler.has_unfinished:
-            return []
-        if mode == "abort":
-            return self.abort_request()
-        finished: list[RequestOutput] = []
-        if mode == "wait":
-            while self.scheduler.has_unfinished:
-                finished += self.step()
-        elif discards_kv:
-            self.scheduler.preempt_all()
-        return finished
-
-    def _run_sleep_command(self, command: Command, *args: Any) -> None:
-        """Runs a sleep or wake command on every rank and records what they report. If a rank
-        fails, every rank's state is fetched first, so the engine's view stays truthful."""
-        try:
-            states = self.executor.run(command, *args)
-        except BaseException:
-            self._refresh_sleep_state()
-            raise
-        self.sleep_control.update(states)
-
     def _refresh_sleep_state(self) -> None:
         self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
 
@@ -405,8 +310,3 @@ def _by_value(function: Callable[..., Any]) -> bytes:
     import cloudpickle
 
     return cloudpickle.dumps(function)
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in SLEEP_MODES:
-        raise ValueError(f"sleep/pause mode must be one of {SLEEP_MODES}, got {mode!r}")
