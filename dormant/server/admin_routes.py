@@ -121,11 +121,17 @@ async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> dict[s
 # ── SGLang ───────────────────────────────────────────────────────────────────────────────────
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> dict[str, Any]:
     """SGLang's, on both of its methods (slime calls it with GET before every release)."""
     await _serving(request).engine.reset_prefix_cache()
     return {**OK, "message": "Cache flushed."}
+
+
+# One route per method: one route for both gives both operations the same OpenAPI id.
+for _method in ("GET", "POST"):
+    router.add_api_route(
+        "/flush_cache", flush_cache, methods=[_method], name=f"flush_cache_{_method.lower()}"
+    )
 
 
 @router.post("/pause_generation")
