@@ -42,7 +42,7 @@ from dormant.memory.allocation import Allocation, State
 from dormant.memory.arena import HostArena
 from dormant.memory.backend import Backend, Copy
 from dormant.memory.errors import UnknownDiscardOrderError
-from dormant.memory.policy import Policy
+from dormant.memory.policy import Policy, member_named
 from dormant.memory.status import SleepReport
 from dormant.memory.steps import ReleaseClock, drain, region_of
 
@@ -62,13 +62,9 @@ class DiscardOrder(enum.Enum):
     @classmethod
     def parse(cls, value: DiscardOrder | str) -> DiscardOrder:
         """Accepts a DiscardOrder or its value; raises UnknownDiscardOrderError otherwise."""
-        if isinstance(value, DiscardOrder):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+        member = member_named(cls, value)
+        if member is not None:
+            return member
         names = ", ".join(repr(o.value) for o in cls)
         raise UnknownDiscardOrderError(f"unknown discard order {value!r}; use one of {names}")
 

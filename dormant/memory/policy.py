@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 from dormant.memory.errors import UnknownPolicyError
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class Policy(enum.Enum):
@@ -31,15 +34,21 @@ class Policy(enum.Enum):
     @classmethod
     def parse(cls, value: Policy | str) -> Policy:
         """Accepts a Policy or its name (case-insensitive); raises UnknownPolicyError otherwise."""
-        if isinstance(value, Policy):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+        member = member_named(cls, value)
+        if member is not None:
+            return member
         names = ", ".join(p.name for p in cls)
         raise UnknownPolicyError(f"unknown policy {value!r}; use one of {names}")
+
+
+def member_named(kind: type[E], value: object) -> E | None:
+    """The member of the string enum ``kind`` that ``value`` is or names (case-insensitive),
+    or None."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        return next((member for member in kind if member.value == value.lower()), None)
+    return None
 
 
 WEIGHTS = "weights"

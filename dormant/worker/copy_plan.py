@@ -220,7 +220,7 @@ class CopyPlans:
 
 
 class _Untraceable(Exception):
-    pass
+    """A weight loader did something other than ``copy_`` into its parameter: call it."""
 
 
 class _CopyRecorder(TorchDispatchMode):
