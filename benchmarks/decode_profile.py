@@ -1,11 +1,16 @@
-"""Where a batch-1 decode step of the 8B-like model spends its GPU time: kernels by name.
+"""Where a decode step spends its GPU time: kernels by name.
+
+The 8B-like dense model at batch 1 and context 512 by default; ``--model moe`` takes the
+Qwen3-30B-A3B-sized MoE of ``benchmarks/moe.py`` (``--layers`` of it), ``--batch-size`` and
+``--context`` the rollout's shapes.
 
 Profiles the eager step (every kernel launched from Python) and the graph replay, with
 ``torch.profiler``, and records per kernel name: calls per step and GPU time per step; and per
 step: kernel count, the sum of kernel times, and the wall time. Run it twice, with and without
 ``DORMANT_TRITON=0``, to compare the fused Triton kernels with the torch reference.
 
-Usage: python benchmarks/decode_profile.py [--out results.jsonl] [--top 15]
+Usage: python benchmarks/decode_profile.py [--out results.jsonl] [--top 15] [--model moe]
+       [--layers N] [--batch-size B] [--context C]
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Recorder, environment, table
 from benchmarks.decode import QWEN3_8B_LIKE, decode_step
+from benchmarks.moe import QWEN3_30B_A3B
+from benchmarks.moe_roofline import fill_kv_cache
 from dormant import LLM
 from dormant.layers.kernels import IS_TRITON_ENABLED
 from dormant.models import ModelConfig
@@ -55,15 +62,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--model", choices=("dense", "moe"), default="dense")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (the model's)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
     args = parser.parse_args()
     rec = Recorder(args.out)
-    rec.emit(case="environment", triton_kernels=IS_TRITON_ENABLED, **environment())
-    llm = LLM(ModelConfig.from_dict(QWEN3_8B_LIKE), max_model_len=4096, max_num_seqs=64,
-              gpu_memory_utilization=0.6)  # fmt: skip
+    rec.emit(case="environment", triton_kernels=IS_TRITON_ENABLED, model=args.model,
+             batch_size=args.batch_size, context=args.context, **environment())  # fmt: skip
+    shape = QWEN3_8B_LIKE if args.model == "dense" else QWEN3_30B_A3B
+    if args.layers is not None:
+        shape = {**shape, "num_hidden_layers": args.layers}
+    max_model_len = max(4096, 2 * args.context)
+    llm = LLM(ModelConfig.from_dict(shape), max_model_len=max_model_len,
+              max_num_seqs=max(64, args.batch_size), cuda_graph_batch_sizes=(args.batch_size,),
+              gpu_memory_utilization=0.8)  # fmt: skip
     worker = llm.llm_engine.executor.worker
     runner = worker.runner
     block_size = llm.llm_engine.config.block_size
-    step = decode_step(1, 512, block_size, 4096 // block_size)
+    step = decode_step(args.batch_size, args.context, block_size, max_model_len // block_size)
+    if args.model == "moe":
+        fill_kv_cache(worker.model)  # finite keys and values: the routing sees real activations
 
     def eager() -> None:
         with torch.inference_mode():
