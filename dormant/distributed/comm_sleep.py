@@ -34,8 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dormant.distributed.communicator import NCCL_OWNER, warm_up
 from dormant.distributed.parallel_state import DistributedTPGroup, TPGroup
 from dormant.errors import EngineError
+from dormant.memory.residual import ResidualLedger
 
 NCCL_SUSPEND_MEM = 0x01  # nccl.h: release the communicator's device memory
 SUSPEND_MIN_VERSION = (2, 29, 7)  # the first NCCL with ncclCommSuspend / ncclCommResume
@@ -104,6 +106,7 @@ class CommunicatorSleep:
 
     ``captures_collectives``: whether CUDA graphs captured this group's collectives (TP > 1
     with graphs), which ``recreate`` would break. ``api`` replaces the NCCL binding (tests).
+    ``ledger``: the rank's residual, told what each release gave back and each restore took.
     """
 
     def __init__(
@@ -113,10 +116,11 @@ class CommunicatorSleep:
         *,
         captures_collectives: bool = False,
         api: NcclSuspendApi | None = None,
+        ledger: ResidualLedger | None = None,
     ) -> None:
         self.group, self.mode = group, CommSleepMode(mode)
         self.released = False
-        self._api = api
+        self._api, self._ledger = api, ledger
         if self.mode is CommSleepMode.OFF or group.world_size == 1:
             return
         if not isinstance(group, DistributedTPGroup):
@@ -157,6 +161,7 @@ class CommunicatorSleep:
         else:
             report = _measured("destroyed", lambda: dist.destroy_process_group(group.process_group))
         self.released = True
+        self._account(report)
         return report
 
     def restore(self) -> CommSleepReport:
@@ -168,7 +173,12 @@ class CommunicatorSleep:
         else:
             report = _measured("recreated", lambda: _recreate(group))
         self.released = False
+        self._account(report)
         return report
+
+    def _account(self, report: CommSleepReport) -> None:
+        if self._ledger is not None:  # freed_bytes is None off the GPU: nothing is told
+            self._ledger.returned(NCCL_OWNER, report.freed_bytes)
 
     @property
     def _suspend_api(self) -> NcclSuspendApi:
@@ -190,8 +200,10 @@ def _recreate(group: DistributedTPGroup) -> None:
     in place: the layers hold ``group`` itself, so they use the new one from now on. Made by
     every rank of the world (checked in ``__init__``), so torch names it by its counter: a name
     hashed from the ranks would be the destroyed group's, and the new rendezvous could read
-    the old one's keys."""
+    the old one's keys. One collective makes its communicator now, inside the restore's
+    measurement, rather than lazily in the first step after the wake."""
     group.process_group = dist.new_group(group.ranks, backend=group.backend)
+    warm_up(group)
 
 
 def _comm(group: DistributedTPGroup) -> int:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from dormant.core.config import EngineConfig
 from dormant.core.errors import UnsupportedOptionError
+from dormant.distributed.communicator import NCCL_OWNER, is_nccl
 from dormant.distributed.parallel_state import (
     DistributedTPGroup,
     SingleRankGroup,
@@ -104,11 +105,16 @@ def external_launcher_executor(config: EngineConfig) -> ExternalLauncherExecutor
     tp_ranks = tp_group_ranks(world_size, tp)[rank // tp]
     group = _join_tp_group(tp_ranks, rank, world_size, on_gpu, local_rank)
     try:
-        _check_same_config(config, group, tp_ranks, on_gpu)
+        free_before = torch.cuda.mem_get_info()[0] if on_gpu else 0
+        _check_same_config(config, group, tp_ranks, on_gpu)  # its collective makes the NCCL comm
+        made = free_before - torch.cuda.mem_get_info()[0] if on_gpu else None
         init_tp_group(group)
-        return ExternalLauncherExecutor(
+        executor = ExternalLauncherExecutor(
             config, group, tp_ranks, rank // tp, world_size // tp, local_rank
         )
+        if is_nccl(group):  # made before the worker's manager started: measured here
+            executor.worker.mm.residual.carve(NCCL_OWNER, made)
+        return executor
     except BaseException:
         _leave(group)
         raise

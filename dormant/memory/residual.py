@@ -14,6 +14,10 @@ the device's used bytes exactly. On CUDA each row is measured this way:
 | grew while <phase>                   | the same difference at each phase the engine marks      |
 |                                      | (``mark``): CUDA/Triton modules loaded, cuBLAS handles, |
 |                                      | graph executables, the context's local memory           |
+| <owner> (a phase marked with one)    | the same difference, for a phase that made one thing:   |
+|                                      | the TP group's NCCL communicator (``mark(..., owner=)``,|
+|                                      | or ``carve`` when it was made before the manager), less |
+|                                      | what it gave back while asleep (``returned``)           |
 | grew since <last phase>              | the same, now (modules loaded lazily by later steps)    |
 | other processes on this device       | the device's used bytes (cuMemGetInfo) less this        |
 |                                      | process's (NVML)                                        |
@@ -55,6 +59,7 @@ class Sample:
     torch: TorchUsage
     tag_held_bytes: int
     stack_bytes: int | None  # the context's per-thread stack limit (local memory grows with it)
+    owner: str | None = None  # what the phase ending here made, when it made one thing
 
     @property
     def other_bytes(self) -> int:
@@ -80,11 +85,14 @@ class ResidualLedger:
         self._is_listed = listed is not None and os.getpid() in listed
         self.samples: list[Sample] = [self.sample("the manager started")] if self.is_cuda else []
         self.last_release: TorchRelease | None = None
+        self._returned: dict[str, int] = {}  # owner -> bytes it gave back since it was made
+        self._carved: dict[str, int] = {}  # owner -> bytes of the first sample that are its
 
-    def sample(self, label: str) -> Sample:
+    def sample(self, label: str, owner: str | None = None) -> Sample:
         free, total = self._table.backend.memory_info()
         return Sample(
             label=label,
+            owner=owner,
             device_used_bytes=total - free,
             device_total_bytes=total,
             process_bytes=self.process_bytes(),
@@ -93,12 +101,29 @@ class ResidualLedger:
             stack_bytes=_stack_limit(),
         )
 
-    def mark(self, label: str) -> None:
-        """Samples now: what grows until the next mark is reported as grown "while <label>"
-        (an engine marks its start-up phases: model loaded, graphs captured)."""
+    def mark(self, label: str, owner: str | None = None) -> None:
+        """Samples now: what grew since the previous mark is reported as grown "while <label>"
+        (an engine marks its start-up phases: model loaded, graphs captured), or as ``owner``'s
+        when the phase made one thing (the TP group's NCCL communicator)."""
         if self.is_cuda:
             with self._serial.held():
-                self.samples.append(self.sample(label))
+                self.samples.append(self.sample(label, owner))
+
+    def carve(self, owner: str, nbytes: int | None) -> None:
+        """``nbytes`` of the memory in use when the manager started are ``owner``'s, measured by
+        the caller before the manager existed (a communicator an earlier collective made): its
+        own row, out of the context's. ``None``: not measured."""
+        if nbytes is not None and self.is_cuda and self.samples:
+            with self._serial.held():
+                self._carved[owner] = self._carved.get(owner, 0) + nbytes
+
+    def returned(self, owner: str, nbytes: int | None) -> None:
+        """``owner`` (a marked one) gave back ``nbytes`` of device memory (negative: took it
+        back), e.g. a communicator suspended while asleep: its row shrinks by that, and the
+        "since" row, whose sample saw the memory go, grows by it. ``None``: not measured."""
+        if nbytes is not None and self.is_cuda:
+            with self._serial.held():
+                self._returned[owner] = self._returned.get(owner, 0) + nbytes
 
     def release_torch_memory(self) -> TorchRelease | None:
         """Frees torch's cuBLAS workspaces and returns its unused cache (``torch_usage.py``);
@@ -138,17 +163,24 @@ class ResidualLedger:
                 "torch: cached outside dormant's tags (reserved, unused)", now.torch.cached_bytes
             ),
         ]
+        owned = dict(self._carved)  # owner -> bytes it took when it was made
         previous: Sample | None = None
         for sample in [*self.samples, now]:
             if previous is None:
                 owner = f"CUDA context and other non-torch memory of {who} when {sample.label}"
-                rows.append(ResidualItem(owner, sample.other_bytes))
+                rows.append(ResidualItem(owner, sample.other_bytes - sum(self._carved.values())))
             else:
-                span = f"since {previous.label}" if sample is now else f"while {sample.label}"
-                stack = _stack_change(previous, sample)
-                owner = f"grew {span}: {MODULES}{stack}"
-                rows.append(ResidualItem(owner, sample.other_bytes - previous.other_bytes))
+                grown = sample.other_bytes - previous.other_bytes
+                if sample.owner is not None:
+                    owned[sample.owner] = owned.get(sample.owner, 0) + grown
+                else:
+                    span = f"since {previous.label}" if sample is now else f"while {sample.label}"
+                    stack = _stack_change(previous, sample)
+                    if sample is now:  # what the owners gave back is missing from now's sample
+                        grown += sum(self._returned.values())
+                    rows.append(ResidualItem(f"grew {span}: {MODULES}{stack}", grown))
             previous = sample
+        rows += [self._owned(owner, nbytes) for owner, nbytes in owned.items()]
         if with_nvml:
             assert now.process_bytes is not None
             rows.append(
@@ -158,6 +190,16 @@ class ResidualLedger:
                 )
             )
         return now, [r for r in rows if r.nbytes]
+
+    def _owned(self, owner: str, nbytes: int) -> ResidualItem:
+        """``owner``'s row: what it took when it was made, less what it gave back since."""
+        returned = self._returned.get(owner, 0)
+        if returned:
+            return ResidualItem(
+                f"{owner} ({returned / 2**20:.1f} MiB of it given back while asleep)",
+                nbytes - returned,
+            )
+        return ResidualItem(owner, nbytes)
 
     def released_items(self) -> list[ResidualItem]:
         """What the last sleep gave back beyond the tags."""

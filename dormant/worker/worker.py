@@ -23,6 +23,7 @@ from dormant.core.sleep_state import RankSleepState
 from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
 from dormant.distributed.comm_sleep import CommunicatorSleep
+from dormant.distributed.communicator import create_communicator
 from dormant.distributed.parallel_state import all_reduce_min, get_tp_group
 from dormant.memory import (
     RUNTIME,
@@ -66,6 +67,7 @@ class Worker:
             strict=config.memory_strict,
         )
         self.device = self.mm.backend.device
+        create_communicator(get_tp_group(), self.mm.residual)  # its memory measured, as its own
         self._model: CausalLM | None = None
         self._runner: ModelRunner | None = None
         self.draft: DraftModel | MTPDraftModel | None = None  # speculative decoding's draft
@@ -76,6 +78,7 @@ class Worker:
             get_tp_group(),
             config.comm_sleep,
             captures_collectives=captures_collectives(self.device, config, world_size),
+            ledger=self.mm.residual,
         )
         self.rank_sleep = RankSleep(self.mm, self.comm_sleep, lambda: self.refits, rank, world_size)
         self._handlers: dict[Command, Callable[..., Any]] = {

@@ -20,6 +20,7 @@ from dormant.distributed.comm_sleep import (
     CommunicatorSleep,
     NcclSuspendApi,
 )
+from dormant.distributed.communicator import NCCL_OWNER, create_communicator
 from dormant.distributed.parallel_state import DistributedTPGroup, SingleRankGroup
 
 WORLD = 2
@@ -36,6 +37,19 @@ class FakeSuspendApi(NcclSuspendApi):
 
     def resume(self, group: DistributedTPGroup) -> None:
         self.calls.append(("resume", group.rank))
+
+
+class FakeLedger:
+    """Records what the residual ledger is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def mark(self, label: str, owner: str | None = None) -> None:
+        self.calls.append(("mark", label, owner))
+
+    def returned(self, owner: str, nbytes: int | None) -> None:
+        self.calls.append(("returned", owner, nbytes))
 
 
 def _summed(group: DistributedTPGroup) -> float:
@@ -55,8 +69,9 @@ def _rank_main(rank: int, init_file: str, results: dict) -> None:
                 sleeper.release()
             actions.append(sleeper.restore().action)
             sums.append(_summed(group))
-        fake = FakeSuspendApi()
-        suspender = CommunicatorSleep(group, "suspend", api=fake)
+        fake, ledger = FakeSuspendApi(), FakeLedger()
+        made = create_communicator(group, ledger)  # type: ignore[arg-type]  # gloo: nothing made
+        suspender = CommunicatorSleep(group, "suspend", api=fake, ledger=ledger)  # type: ignore[arg-type]
         suspender.release(), suspender.restore(), suspender.restore()  # the last does nothing
         refusals = []
         for mode, kwargs in (("recreate", {}), ("recreate", {"captures_collectives": True})):
@@ -71,6 +86,7 @@ def _rank_main(rank: int, init_file: str, results: dict) -> None:
             "replaced": group.process_group is not old,
             "ranks": group.ranks,
             "suspend_calls": fake.calls,
+            "ledger": (made, ledger.calls),
             "refusals": refusals,
         }
     finally:
@@ -91,6 +107,8 @@ def test_recreate_and_suspend_cycles_over_gloo(tmp_path: Path) -> None:
         assert report["actions"] == ["destroyed", "recreated"] * 2
         assert report["replaced"] and report["ranks"] == [0, 1]
         assert report["suspend_calls"] == [("suspend", rank), ("resume", rank)]
+        # told of each release and restore (unmeasured off the GPU); no communicator on gloo
+        assert report["ledger"] == (False, [("returned", NCCL_OWNER, None)] * 2)
         world_refusal, graphs_refusal = report["refusals"]
         assert "subgroup" in world_refusal and "CUDA graphs" in graphs_refusal
 
