@@ -1,0 +1,212 @@
+"""Host (CPU) time of one decode step, without the forward: what the GPU waits on between steps.
+
+Two levels, at each batch size (1, 64, 128 by default), on a 1-layer tiny Qwen3 (fp32):
+
+- **worker**: ``worker.execute(step)`` of a decode step, each step advanced by the tokens it
+  sampled (``SeqInput.advanced``), as the engine sends them: input buffers, the sampler's
+  per-step tensors, sampling, the host copy and the step output;
+- **engine**: ``LLMEngine.step()`` with that many running requests (``temperature=1.0``,
+  ``logprobs=0``, ``ignore_eos``, detokenized by the byte tokenizer): schedule, step input,
+  execute, postprocess, logprobs and outputs.
+
+By default the forward is a stub (the token embedding only, see ``ForwardTimer``);
+``--forward model`` runs the real 1-layer model. Either way the forward (``model.forward`` and
+``model.compute_logits``) is timed around and subtracted from each step's time, so what is
+left is host work (on the CPU the sampler's tensor ops run inline too: they are small at this
+vocabulary). Times are the thread's CPU time (``time.thread_time``), not wall time: the host
+path is one thread, and CPU time does not count the moments another process held the core,
+so figures from a busy machine still compare. Prints one JSON line per measurement (median,
+min, max over the timed steps) and a table.
+
+Usage: python benchmarks/host_overhead.py [--batch-sizes 1 64 128] [--context 1024]
+       [--steps 40] [--level worker|engine|both] [--profile] [--out results.jsonl]
+(``--profile`` prints cProfile's top functions of the largest batch at each level.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Recorder, table
+from dormant import LLM, SamplingParams
+from dormant.core.step_input import SeqInput, StepInput
+from dormant.models import ModelConfig
+
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "eos_token_id": 2,
+}  # fmt: skip
+WARMUP_STEPS = 3
+
+
+class ForwardTimer:
+    """Wraps a model's ``forward`` and ``compute_logits`` on the instance and sums their time.
+    (On the CPU both run inline, so the time around them is their cost.)
+
+    With ``stub`` the forward is only the token embedding (no attention, no KV write): the
+    host work around it is the same, and the big forward's cache and allocator churn no longer
+    leaks into the host figures (the tokens differ from the real model's; nothing checks them).
+    """
+
+    def __init__(self, model: torch.nn.Module, stub: bool) -> None:
+        self.seconds = 0.0
+        embed, forward = model.model.embed_tokens, model.forward
+
+        def stub_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return embed(input_ids)
+
+        model.forward = self._timed(stub_forward if stub else forward)
+        model.compute_logits = self._timed(model.compute_logits)
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+
+def host_times(run: Callable[[], Any], timer: ForwardTimer, num_steps: int) -> list[float]:
+    """Per step: the thread's CPU time minus the forward's, in seconds."""
+    times = []
+    for _ in range(num_steps):
+        before = timer.seconds
+        start = time.thread_time()
+        run()
+        step_seconds = time.thread_time() - start
+        times.append(step_seconds - (timer.seconds - before))
+    return times
+
+
+def make_llm(batch_size: int, context: int, num_steps: int) -> LLM:
+    max_model_len = 1 << (context + num_steps + batch_size + 64).bit_length()
+    return LLM(
+        ModelConfig.from_dict(TINY_QWEN3),
+        max_model_len=max_model_len,
+        max_num_seqs=max(batch_size, 1),
+        max_num_batched_tokens=max(max_model_len, 4096),
+        kv_cache_memory_bytes=max(batch_size, 8) * max_model_len * 2 * 2 * 16 * 4 + (8 << 20),
+        enforce_eager=True,
+    )
+
+
+def worker_case(
+    batch_size: int, context: int, num_steps: int, stub: bool, profile: bool
+) -> list[float]:
+    llm = make_llm(batch_size, context, num_steps)
+    worker = llm.llm_engine.executor.worker  # type: ignore[attr-defined]
+    timer = ForwardTimer(worker.runner.model, stub)
+    block_size = llm.llm_engine.config.block_size
+    total = WARMUP_STEPS + num_steps
+    blocks_per_seq = -(-(context + total + 1) // block_size)
+    params = SamplingParams(temperature=1.0, logprobs=0, ignore_eos=True)
+    seqs = tuple(
+        SeqInput(
+            token_ids=(11,),
+            start_position=context,
+            block_table=tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            params=params,
+            seed=1000 + i,
+            num_output_tokens=1,
+        )
+        for i in range(batch_size)
+    )
+    state = {"seqs": seqs}
+
+    def run() -> None:
+        output = worker.execute(StepInput(state["seqs"], is_prefill=False))
+        state["seqs"] = tuple(
+            s.advanced(o.token_ids[0]) for s, o in zip(state["seqs"], output.seqs, strict=True)
+        )
+
+    for _ in range(WARMUP_STEPS):
+        run()
+    times = _maybe_profiled(profile, lambda: host_times(run, timer, num_steps))
+    llm.llm_engine.shutdown()
+    return times
+
+
+def engine_case(
+    batch_size: int, context: int, num_steps: int, stub: bool, profile: bool
+) -> list[float]:
+    llm = make_llm(batch_size, context, num_steps)
+    engine = llm.llm_engine
+    timer = ForwardTimer(engine.executor.worker.runner.model, stub)  # type: ignore[attr-defined]
+    max_tokens = engine.config.max_model_len - context  # past the steps of every prefill
+    for i in range(batch_size):
+        prompt = [(7 * i + 13 * j) % 500 + 3 for j in range(context)]
+        params = SamplingParams(
+            temperature=1.0, logprobs=0, ignore_eos=True, max_tokens=max_tokens, seed=i
+        )
+        engine.add_request(prompt, params)
+    while engine.scheduler.num_waiting:  # every prompt prefilled: the next steps are decodes
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    if engine.scheduler.num_running != batch_size:
+        raise RuntimeError(f"{engine.scheduler.num_running} of {batch_size} requests running")
+    times = _maybe_profiled(profile, lambda: host_times(engine.step, timer, num_steps))
+    engine.shutdown()
+    return times
+
+
+def _maybe_profiled(profile: bool, fn: Callable[[], list[float]]) -> list[float]:
+    if not profile:
+        return fn()
+    profiler = cProfile.Profile()
+    times = profiler.runcall(fn)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 128])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--level", choices=("worker", "engine", "both"), default="both")
+    parser.add_argument("--forward", choices=("stub", "model"), default="stub")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the host path is single-threaded; keep the forward's noise low
+    rec = Recorder(args.out)
+    levels = {"worker": worker_case, "engine": engine_case}
+    chosen = list(levels) if args.level == "both" else [args.level]
+    largest = max(args.batch_sizes)
+    for level in chosen:
+        for batch_size in args.batch_sizes:
+            profile = args.profile and batch_size == largest
+            times = levels[level](
+                batch_size, args.context, args.steps, args.forward == "stub", profile
+            )
+            rec.emit(
+                case="host_overhead", level=level, batch_size=batch_size, context=args.context,
+                forward=args.forward,
+                median_us=statistics.median(times) * 1e6, min_us=min(times) * 1e6,
+                max_us=max(times) * 1e6, samples=len(times),
+            )  # fmt: skip
+    columns = ["level", "batch_size", "context", "median_us", "min_us", "max_us"]
+    print(table(rec.rows, columns))
+
+
+if __name__ == "__main__":
+    main()
