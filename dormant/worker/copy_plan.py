@@ -3,9 +3,9 @@
 A trainer sends the same buckets every refit (the same names, dtypes, shapes and offsets), so
 the work that depends only on that metadata is done once per bucket and kept: validating every
 entry, and finding what each layer's ``weight_loader`` copies where. The loaders are traced, not
-re-implemented: each runs once on a ``meta`` probe of the checkpoint tensor under a dispatch mode
-that records its ``copy_`` calls (destination view, source view) instead of running them. A
-refit of that bucket then only issues the recorded copies::
+re-implemented (``loader_trace.py``): each runs once on a ``meta`` probe of the checkpoint tensor
+under a dispatch mode that records its ``copy_`` calls (destination view, source view) instead of
+running them. A refit of that bucket then only issues the recorded copies::
 
     step        recorded copy                                    launches per bucket
     ──────────  ───────────────────────────────────────────────  ──────────────────────────────
@@ -35,10 +35,10 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dormant.models import CausalLM
 from dormant.models.weights import WeightTarget, is_ignored
+from dormant.worker.loader_trace import traced_copies
 from dormant.worker.transfer_errors import WeightTransferError
 
 MAX_PLANS_PER_MODEL = 1024  # distinct bucket layouts kept per model; the oldest goes first
@@ -176,7 +176,7 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
             continue  # a name check_weights accepts and load_weights skips (MiMo's MTP layers)
         targets[id(target.tensor)] = target.tensor
         names.update(target.covers or (item.name,))
-        copies = _traced_copies(target, item)
+        copies = traced_copies(target, item.shape, item.dtype)
         if copies is None:
             spans.append(_LoaderCall(item, target))
             continue
@@ -216,51 +216,7 @@ class CopyPlans:
         self._plans.clear()
 
 
-# ── tracing and merging ────────────────────────────────────────────────────────────────────
-
-
-class _Untraceable(Exception):
-    """A weight loader did something other than ``copy_`` into its parameter: call it."""
-
-
-class _CopyRecorder(TorchDispatchMode):
-    """Records ``copy_(dst, src)`` instead of running it; refuses any other write."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies: list[tuple[Tensor, Tensor]] = []
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        if func is torch.ops.aten.copy_.default and not kwargs:
-            self.copies.append((args[0], args[1]))
-            return args[0]
-        if func._schema.is_mutable:
-            raise _Untraceable(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-def _traced_copies(target: WeightTarget, item: BucketItem) -> list[tuple[Tensor, Tensor]] | None:
-    """The loader's copies of ``item`` as (destination view, source view of the probe), or
-    None if the loader does anything a recorded plan could not repeat."""
-    probe = torch.empty(item.shape, dtype=item.dtype, device="meta")
-    recorder = _CopyRecorder()
-    try:
-        with torch.no_grad(), recorder:
-            target.loader(target.tensor, probe, target.shard_id)
-    except Exception:
-        return None
-    probe_storage = probe.untyped_storage()._cdata
-    storage = target.tensor.untyped_storage()
-    for dst, src in recorder.copies:
-        is_probe = src.is_meta and src.untyped_storage()._cdata == probe_storage
-        is_param = dst.device == target.tensor.device and (
-            dst.untyped_storage().data_ptr() == storage.data_ptr()
-        )
-        if not (is_probe and is_param and dst.shape == src.shape):
-            return None
-    return recorder.copies
+# ── merging ────────────────────────────────────────────────────────────────────
 
 
 @dataclass(frozen=True)
