@@ -7,6 +7,13 @@ checkpoint provides scales → ``load_weights(...)`` or ``init_random_weights(se
 
 ``parameters()`` yields exactly the checkpoint's parameters (tied embeddings once); derived
 state (the rotary table) and calibrated state (k/v scales) are buffers.
+
+Refits through the model object. Frameworks write weights with ``model.load_weights(...)`` on
+the object itself (TRL colocate: ``...driver_worker.model_runner.model``; OpenRLHF's and verl's
+worker extensions: ``self.model_runner.model``). Where the rank has more than this model to
+refit (speculative decoding's draft), the worker sets ``weight_router`` (``create_draft``), and
+``load_weights`` hands the names to it; the model's own writes are ``load_own_weights``, which
+every path inside the engine calls.
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ class WeightWriteObserver(Protocol):
     def failed(self) -> None: ...
 
 
+class WeightRouter(Protocol):
+    """Takes a model object's ``load_weights`` over (``worker/weight_routes.py``): validates
+    every name against the model it belongs to, then writes each there (this model's through
+    ``load_own_weights``); returns the names written, as the rank's refit record has them."""
+
+    def route_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]: ...
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder-only language model with HF-compatible weight names.
 
@@ -58,6 +73,7 @@ class CausalLM(nn.Module, ABC):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.weight_observer: WeightWriteObserver | None = None
+        self.weight_router: WeightRouter | None = None  # set with a draft (create_draft)
         self._weight_table: dict[str, weight_io.WeightTarget] | None = None
 
     @classmethod
@@ -129,6 +145,14 @@ class CausalLM(nn.Module, ABC):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """vLLM's ``model.load_weights``, what frameworks call on the model object:
+        ``load_own_weights``, or, where the worker set a ``weight_router`` (a draft to refit
+        beside this model), the router's ``route_weights`` (see the module)."""
+        if self.weight_router is not None:
+            return self.weight_router.route_weights(weights)
+        return self.load_own_weights(weights)
+
+    def load_own_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copies HF-named full tensors into the parameters in place (dtype cast on copy);
         returns the names written. Ignored names (``rotary_emb.inv_freq``; ``lm_head.weight``
         of a tied model) are skipped and not returned. ``weight_observer`` hears of every

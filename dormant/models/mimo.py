@@ -7,9 +7,10 @@ Two differences from ``Qwen2ForCausalLM``, both vLLM's:
   applies the norm. The MTP layers were trained on that pre-norm state (they norm it themselves,
   ``hidden_layernorm``), so the target's ``forward`` output is exactly what ``MTPDraft.forward``
   takes as ``previous_hidden``. Logits are unchanged: ``lm_head(norm(h))`` either way.
-- The MTP names in a checkpoint are accepted and skipped by the target's ``load_weights`` and
-  ``check_weights`` (they are the draft's: ``mtp.is_mtp_weight``), so the target loads from a
-  full MiMo checkpoint with speculation on or off.
+- The MTP names in a checkpoint are accepted and skipped by the target's ``load_own_weights``
+  and ``check_weights`` (they are the draft's: ``mtp.is_mtp_weight``), so the target loads from
+  a full MiMo checkpoint with speculation on or off. With MTP speculation on, the model object's
+  ``load_weights`` routes them to the MTP layers (``CausalLM.weight_router``).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ class MiMoForCausalLM(Qwen2ForCausalLM):
         """Pre-norm ``[num_tokens, hidden]`` → float32 ``[num_tokens, vocab]``."""
         return self.lm_head(self.model.norm(hidden_states))
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """``CausalLM.load_weights`` of the non-MTP entries; MTP names are skipped."""
-        return super().load_weights((n, t) for n, t in weights if not is_mtp_weight(n))
+    def load_own_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """``CausalLM.load_own_weights`` of the non-MTP entries; MTP names are skipped (with an
+        MTP draft, the worker's ``weight_router`` sends them to it first)."""
+        return super().load_own_weights((n, t) for n, t in weights if not is_mtp_weight(n))
 
     def check_weights(
         self,

@@ -11,7 +11,7 @@ and generation is refused until both were written ("no stale draft"). ``reload_w
 reloads the draft too: from the path given when the draft is the target itself
 (self-speculation), else from its own checkpoint (or its seeded random init).
 ``update_weights`` and every other refit path take the draft's tensors under the prefix
-(``weight_routes.py``).
+(``weight_routes.py``), the target model object's ``load_weights`` included.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dormant.models import (
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.refit_record import RefitRecord
+from dormant.worker.weight_routes import WeightRoutes
 
 DRAFT_PREFIX = "draft."
 
@@ -122,10 +123,16 @@ def create_draft(
     config: EngineConfig, mm: MemoryManager, target: CausalLM
 ) -> DraftModel | MTPDraftModel | None:
     """The draft of ``config.speculative_config`` on this rank (None: no speculation): a draft
-    model, or the target checkpoint's MTP layers (sharing ``target``'s embedding and head)."""
+    model, or the target checkpoint's MTP layers (sharing ``target``'s embedding and head).
+    ``target.load_weights`` routes the draft's names to it from then on (``WeightRoutes.attach``:
+    frameworks refit both through the model object)."""
     spec = config.speculative_config
     if spec is None:
         return None
+    draft: DraftModel | MTPDraftModel
     if spec.method == "mtp":
-        return MTPDraftModel(config, spec, mm, target)
-    return DraftModel(config, spec, mm)
+        draft = MTPDraftModel(config, spec, mm, target)
+    else:
+        draft = DraftModel(config, spec, mm)
+    WeightRoutes(target, draft).attach()
+    return draft

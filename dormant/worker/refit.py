@@ -149,7 +149,7 @@ class Refitter:
             return tuple(model.expected_weight_shapes())
         assert path is not None, "a checkpoint path is required unless load_format='dummy'"
         model.check_weights(list(iterate_safetensors_metadata(path)), require_complete=True)
-        return _sorted(model.load_weights(iterate_safetensors(path)))
+        return _sorted(model.load_own_weights(iterate_safetensors(path)))  # the draft: its .load
 
     def _check_writable(self, what: str) -> None:
         """A refit writes parameters (weights) and checkpoint k/v scales (runtime buffers)."""

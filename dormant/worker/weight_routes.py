@@ -1,8 +1,9 @@
 """Where each name of a refit lands on one rank: the target model, or speculative decoding's draft.
 
 Every refit path (``update_weights``, ``update_weights_from_tensor`` with named tensors or a
-flattened bucket, ``update_weights_from_distributed``) routes names through one ``WeightRoutes``,
-so all of them take the same names::
+flattened bucket, ``update_weights_from_distributed``, and the model object's ``load_weights``
+that TRL and OpenRLHF call, ``...model_runner.model.load_weights``) routes names through one
+``WeightRoutes``, so all of them take the same names::
 
     draft               the draft's names                    in the draft model as
     ──────────────────  ───────────────────────────────────  ──────────────────────────────
@@ -12,6 +13,10 @@ so all of them take the same names::
 
 A draft names the names it owns (``own_name``) and how its record names them
 (``recorded_name``): ``draft_model.DraftModel`` and ``mtp_draft.MTPDraftModel``.
+
+With a draft, ``attach`` makes the routes the target model's ``weight_router``
+(``models/base.py``), so ``model.load_weights`` on the target routes as ``update_weights`` does
+(``route_weights``); the routes themselves write the target through ``load_own_weights``.
 
 Each path validates the target's names and the draft's (``check_weights``: ``WeightError``
 naming the bad entries) before writing any, and writes through the models' ``load_weights`` or
@@ -97,13 +102,29 @@ class WeightRoutes:
         draft_written = ipc_weights.apply_named_tensors(self.draft_model, list(draft))
         return written | self.recorded(draft_written)
 
+    def attach(self) -> None:
+        """Makes these routes the target's ``weight_router``: its ``load_weights`` (the model
+        object's, as frameworks call it) then routes the draft's names (``route_weights``)."""
+        self.target.weight_router = self
+
+    def route_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """The target model object's ``load_weights``: as ``update_weights``, the weights must be
+        awake (``EngineAsleepError``) and every entry of both models fit (``WeightError``)
+        before anything is written. ``weights`` is held as a list while it is checked (TRL and
+        OpenRLHF pass one tensor, or a list, per call)."""
+        items = list(weights)
+        if self.target.weight_observer is not None:
+            self.target.weight_observer.before_write()  # asleep: refused, nothing marked stale
+        self.check_weights([(name, tensor.shape, tensor.dtype) for name, tensor in items])
+        return self.load_weights(items)
+
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Streams ``weights`` into both models (``load_weights`` per run of consecutive names
         of one model). A source that fails partway marks every weight stale, whether it fails
         inside a ``load_weights`` call (whose observer tells the record) or between two (this
         tells it). Check the names first (``check_weights``)."""
         if self.draft is None:
-            return self.target.load_weights(weights)
+            return self.target.load_own_weights(weights)
         draft = self.draft
         written: set[str] = set()
         try:
@@ -113,7 +134,7 @@ class WeightRoutes:
                 if is_draft:
                     written |= self.recorded(self.draft_model.load_weights(_own_names(draft, run)))
                 else:
-                    written |= self.target.load_weights(run)
+                    written |= self.target.load_own_weights(run)
         except BaseException:
             if self.target.weight_observer is not None:
                 self.target.weight_observer.failed()

@@ -184,3 +184,22 @@ def test_a_bucket_with_mtp_names_refits_a_target_without_speculation(mimo, refer
         assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
     finally:
         llm.shutdown()
+
+
+def test_the_model_objects_load_weights_refits_the_mtp_layers(engines, mimo, first_drafts) -> None:
+    """TRL's and OpenRLHF's path, ``driver_worker.model_runner.model.load_weights``, one
+    tensor per call after a level-2 sleep: the MTP names reach the MTP layers (the target alone
+    would skip them, leaving the draft stale)."""
+    path = mimo[0]
+    llm = make(engines, path, k=2)
+    before = tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False))
+    drafts_before = list(first_drafts)
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    for name, tensor in iterate_safetensors(str(path)):
+        model.load_weights([(name, tensor)])
+    llm.wake_up(["kv_cache"])
+    first_drafts.clear()
+    assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == before
+    assert first_drafts == drafts_before

@@ -213,3 +213,75 @@ def test_a_weight_update_group_refits_target_and_draft_after_a_level_2_sleep(
         if trainer.is_alive():
             trainer.kill()
         llm.shutdown()
+
+
+# ── the model object's load_weights (TRL colocate, OpenRLHF's worker extension) ──────────
+
+
+def _model_object(llm: LLM):
+    """TRL's path to the model: ``llm.llm_engine.model_executor.driver_worker.model_runner``."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
+def test_the_model_objects_load_weights_refits_target_and_draft(
+    checkpoint: Path, other_checkpoint: Path, expected_other: list[tuple[int, ...]]
+) -> None:
+    """TRL colocate writes one parameter per call after ``sleep(2)`` + ``wake_up(["weights"])``:
+    the draft's names, ``draft.*``, go to the draft as they do through ``update_weights``."""
+    llm = _asleep_then_weights_awake(checkpoint)
+    try:
+        model = _model_object(llm)
+        for name, tensor in _target_and_draft(other_checkpoint):
+            model.load_weights([(name, tensor)])
+        llm.wake_up(["kv_cache"])
+        _fresh_stats(llm)
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected_other
+        assert _acceptance(llm) == 1.0  # the draft is the new target, not the old one
+    finally:
+        llm.shutdown()
+
+
+def test_the_model_objects_load_weights_of_the_target_alone_leaves_the_draft_stale(
+    checkpoint: Path, other_checkpoint: Path
+) -> None:
+    llm = _asleep_then_weights_awake(checkpoint)
+    try:
+        model = _model_object(llm)
+        model.load_weights(list(iterate_safetensors(str(other_checkpoint))))
+        llm.wake_up(["kv_cache"])
+        with pytest.raises(WeightsNotLoadedError, match="draft\\."):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_the_model_objects_load_weights_refuses_a_bad_draft_name_writing_nothing(
+    llm: LLM, other_checkpoint: Path
+) -> None:
+    worker = worker_of(llm)
+    assert worker.draft is not None
+    embed, draft_embed = (
+        worker.model.model.embed_tokens.weight,
+        worker.draft.model.model.embed_tokens.weight,
+    )
+    saved, draft_saved = embed.detach().clone(), draft_embed.detach().clone()
+    other = dict(iterate_safetensors(str(other_checkpoint)))
+    bad = [
+        ("model.embed_tokens.weight", other["model.embed_tokens.weight"]),
+        ("draft.model.embed_tokens.weight", other["model.embed_tokens.weight"]),
+        ("draft.nope", saved),
+    ]
+    with pytest.raises(WeightError, match="nope"):
+        _model_object(llm).load_weights(bad)
+    assert torch.equal(embed, saved) and torch.equal(draft_embed, draft_saved)
+    assert worker.refits.stale == set()  # refused before any write: nothing marked stale
+
+
+def test_the_model_objects_load_weights_refuses_while_the_weights_sleep(llm: LLM) -> None:
+    from dormant.core.errors import EngineAsleepError
+
+    weights = list(worker_of(llm).model.state_dict().items())[:1]
+    llm.sleep(level=2)
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        _model_object(llm).load_weights([(f"draft.{weights[0][0]}", weights[0][1])])
+    llm.wake_up()
