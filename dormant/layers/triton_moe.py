@@ -1,8 +1,12 @@
 """The fused MoE experts in Triton: grouped GEMMs over the pairs sorted by expert.
 
-Same contract and rounding points as ``fused_experts_reference`` (``moe_reference.py``). Per
-call, four kernels and no host sync (so it runs inside CUDA graphs and the fused multi-step
-graph):
+``fused_experts`` picks the path by the number of pairs (a shape, so a graph captures one):
+few (decode), the direct path of ``triton_moe_direct.py``, two kernels that read each pair's
+expert straight from ``topk_ids``; more, this file's sorted path.
+
+Same contract and rounding points as ``fused_experts_reference`` (``moe_reference.py``). The
+sorted path is four kernels per call and no host sync (so it runs inside CUDA graphs and the
+fused multi-step graph):
 
     align_by_expert    pairs sorted and padded by expert (triton_moe_routing.py)
     gate_up + SiLU·mul  h[p] = silu(x[t] @ w1_e.T) * (x[t] @ w3_e.T), one program per
@@ -24,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dormant.layers.triton_moe_direct import fused_experts_direct, is_direct
 from dormant.layers.triton_moe_routing import align_by_expert
 
 
@@ -150,12 +155,26 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    configs: tuple[BlockConfig, BlockConfig] | None = None,
 ) -> torch.Tensor:
     """``fused_experts_reference``'s contract: ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``
     (the last dimension of each contiguous), float32 ``topk_weights`` and int32 ``topk_ids``
-    ``[T, k]`` → ``[T, H]`` in ``x``'s dtype. ``configs`` (gate/up, down; one ``block_m``)
-    overrides ``block_config``'s tiles, for tuning."""
+    ``[T, k]`` → ``[T, H]`` in ``x``'s dtype; by the direct path for few pairs, else sorted."""
+    if is_direct(*topk_ids.shape):
+        return fused_experts_direct(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_sorted(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_experts_sorted(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[BlockConfig, BlockConfig] | None = None,
+) -> torch.Tensor:
+    """``fused_experts``' contract by the pairs sorted by expert, for any number of tokens.
+    ``configs`` (gate/up, down; one ``block_m``) overrides ``block_config``'s tiles, for
+    tuning."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2

@@ -1,10 +1,11 @@
 """The fused Triton MoE kernels against the torch reference: routing (top-k softmax), the
-pairs sorted and padded by expert, and the experts (gate/up + SiLU·mul, down, combine), over
-decode and prefill sizes, fp32/bf16/fp16, with experts nobody picks; and the whole path inside
-a CUDA graph replayed on new routing.
+pairs sorted and padded by expert, and the experts by both paths (sorted: gate/up + SiLU·mul,
+down, combine; direct: gate/up + SiLU·mul, down + combine), over decode and prefill sizes,
+fp32/bf16/fp16, with experts nobody picks; the direct path bit-exact against the sorted one on
+exact inputs; and the whole path inside a CUDA graph replayed on new routing.
 
-On a machine without CUDA, ``TRITON_INTERPRET=1`` runs the same checks on the CPU through
-Triton's interpreter (fp32 and fp16: the interpreter multiplies bf16 as raw integers).
+tests/layers/test_triton_moe_direct.py runs the direct path's checks on the CPU through
+Triton's interpreter (this folder's tests skip without CUDA, interpreted or not).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import os
 import pytest
 import torch
 
-from dormant.layers.moe_reference import fused_experts_reference, select_experts
+from dormant.layers.moe_reference import select_experts
 
 triton = pytest.importorskip("triton")
 from dormant.layers.triton_moe import fused_experts  # noqa: E402
 from dormant.layers.triton_moe_routing import align_by_expert, topk_softmax  # noqa: E402
+from tests.layers import moe_kernel_checks as checks  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -29,16 +31,13 @@ SHAPES = [(1, 8, 2, 64, 32), (7, 16, 4, 96, 40), (64, 8, 2, 64, 32), (300, 4, 3,
 if not INTERPRETED:
     SHAPES += [(1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (1000, 64, 6, 512, 256)]
 
+PATH_CASES = [(path, shape) for path in ("auto", "sorted") for shape in SHAPES] + [
+    ("direct", shape) for shape in SHAPES + checks.DIRECT_SHAPES
+]
+
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
-    num_tokens, num_experts, _, hidden, inter = shape
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=generator)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5
-    logits = torch.randn(num_tokens, num_experts, generator=generator)
-    logits[:, num_experts // 2] = -1e4  # one expert nobody picks
-    return [t.to(DEVICE, dtype) for t in (x, w13, w2, logits)]
+    return checks.random_inputs(shape, dtype, DEVICE, seed)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -84,26 +83,28 @@ def test_align_sorts_every_pair_once_into_its_experts_blocks(shape, block_m: int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_fused_experts_match_the_reference(shape, dtype: torch.dtype) -> None:
-    x, w13, w2, logits = _inputs(shape, dtype)
-    weights, ids = select_experts(logits, shape[2], renormalize=True)
-    ours = fused_experts(x, w13, w2, weights, ids)
-    reference = fused_experts_reference(x, w13, w2, weights, ids)
-    assert ours.dtype == dtype and ours.shape == x.shape
-    if dtype == torch.float32:
-        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-5)
-    else:  # the same rounding points; tiles sum k in another order than the reference GEMM
-        scale = float(reference.float().abs().max())
-        torch.testing.assert_close(ours.float(), reference.float(), rtol=0, atol=0.02 * scale)
-        assert float((ours.float() - reference.float()).abs().mean()) < 2e-3 * scale
+@pytest.mark.parametrize(("path", "shape"), PATH_CASES)
+def test_fused_experts_match_the_reference(path: str, shape, dtype: torch.dtype) -> None:
+    checks.check_path_matches_reference(path, shape, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", checks.DIRECT_SHAPES)
+def test_the_direct_path_is_bit_exact_against_the_sorted_one(shape, dtype) -> None:
+    checks.check_direct_is_bit_exact(shape, dtype, DEVICE)
+
+
+def test_fused_experts_takes_the_direct_path_for_few_pairs() -> None:
+    checks.check_fused_experts_dispatch(DEVICE)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
-def test_the_routing_and_experts_replay_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize(  # direct at batch 1 and at its largest; sorted
+    "shape", [(1, 128, 8, 2048, 768), (16, 32, 4, 256, 128), (17, 32, 4, 256, 128)]
+)
+def test_the_routing_and_experts_replay_in_a_cuda_graph(shape) -> None:
     """No host sync anywhere: captured once, replayed on new inputs, equal to eager."""
-    shape = (16, 32, 4, 256, 128)
     x, w13, w2, logits = _inputs(shape, torch.bfloat16)
     static_x, static_logits = x.clone(), logits.clone()
 

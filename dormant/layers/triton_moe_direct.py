@@ -1,0 +1,161 @@
+"""The fused MoE experts at decode sizes: each pair reads its expert straight from ``topk_ids``.
+
+Same contract and rounding points as ``fused_experts_reference`` (``moe_reference.py``) and the
+sorted path (``triton_moe.py``). Two kernels per call, no sort, no host sync:
+
+    gate_up + SiLU·mul   h[p] = silu(x[t] @ w1_e.T) * (x[t] @ w3_e.T), e = topk_ids[p]; one
+                         program per (pair, BLOCK_N columns of I)
+    down + combine       out[t] = sum_j ((h[t * k + j] @ w2_e.T) * weight[t, j]), e =
+                         topk_ids[t, j]; one program per (token, BLOCK_N columns of H), looping
+                         over the token's k experts in slot order
+
+Each program reduces one row of x (or h) against a ``[BLOCK_N, BLOCK_K]`` weight tile with
+multiply-adds in float32, no ``tl.dot``: one token per program, so nothing pads a matrix core's
+16 rows. The down kernel rounds each pair's result to the dtype, weights it, rounds again and
+adds it to a float32 sum in slot order, which is what the combine of the sorted path does: given
+the same pair results the output is bit-identical, deterministic, with no atomics and no
+``[T * k, H]`` buffer.
+
+A pair re-reads its expert even where another pair of the batch routes to the same one; the
+sorted path reads each routed expert once. So this path is for few pairs (``is_direct``):
+decode, where the sort and its padding cost more than the duplicate reads (which mostly hit L2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DIRECT_MAX_PAIRS = 64  # num_tokens * top_k up to this: the direct path (top-8: batch <= 8)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of one direct kernel: ``block_n`` output columns per program, ``block_k`` of the
+    reduction per step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def is_direct(num_tokens: int, top_k: int) -> bool:
+    """Whether ``fused_experts`` takes this path for a batch of ``num_tokens``."""
+    return num_tokens * top_k <= DIRECT_MAX_PAIRS
+
+
+def gemv_config(n: int, k: int, is_gate_up: bool) -> GemvConfig:
+    """Default tiles for ``n`` output columns of depth ``k``, sized for Qwen3-30B-A3B on 132
+    SMs. Gate/up: 16 columns of each (I = 768: 8 pairs x 48 = 384 programs at batch 1), k in
+    steps of 256, pipelined (``num_stages``). Down: 4 columns (H = 2048: 512 programs per
+    token, all resident at once, so every one keeps its own loads in flight), k in unrolled
+    steps of 256. Weights stream once, so what counts is the bytes in flight per SM."""
+    block_n = 16 if is_gate_up else 4
+    return GemvConfig(
+        block_n=max(1, min(block_n, triton.next_power_of_2(n))),
+        block_k=max(16, min(256, triton.next_power_of_2(k))),
+    )
+
+
+@triton.jit
+def _gate_up_direct_kernel(
+    x_ptr, w_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * stride_x + ks
+    gate_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn  # the up rows follow the gate rows
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for first in range(0, K, BLOCK_K):
+        is_k = ks < K - first
+        x = tl.load(x_ptrs, mask=is_k, other=0.0).to(tl.float32)[None, :]
+        w_mask = is_col[:, None] & is_k[None, :]
+        acc_gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = h_ptr.dtype.element_ty
+    gate32 = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype)  # the sorted path's formula
+    h = (silu.to(tl.float32) * tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=is_col)
+
+
+@triton.jit
+def _down_combine_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, stride_h, stride_we, stride_wn, stride_out,
+    K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # K (the intermediate size) is a compile-time constant, so both loops unroll into straight
+    # code and the loads of later slots can be issued before the sums of earlier ones.
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        h_row = h_ptr + pair * stride_h
+        w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for first in tl.static_range(0, K, BLOCK_K):
+            is_k = ks < K - first
+            h = tl.load(h_row + first + ks, mask=is_k, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_rows + first + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0
+            )
+            acc += w.to(tl.float32) * h[None, :]
+        weight = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
+        y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
+        total += (y * weight).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, total.to(dtype), mask=is_col)
+
+
+def fused_experts_direct(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[GemvConfig, GemvConfig] | None = None,
+) -> torch.Tensor:
+    """``fused_experts``' contract (``triton_moe.py``) without the sort: for any number of
+    tokens, fastest for few pairs (``is_direct``). ``configs`` (gate/up, down) overrides
+    ``gemv_config``'s tiles, for tuning."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_experts needs unit stride in the last dimension of x, w13, w2")
+    up, down = configs or (gemv_config(inter, hidden, True), gemv_config(hidden, inter, False))
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    num_pairs = num_tokens * top_k
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _gate_up_direct_kernel[(num_pairs, triton.cdiv(inter, up.block_n))](
+        x, w13, h, topk_ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        h.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
+        num_warps=up.num_warps, num_stages=up.num_stages,
+    )  # fmt: skip
+    _down_combine_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
+        h, w2, out, topk_weights, topk_ids, hidden, h.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), K=inter, TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps, num_stages=down.num_stages,
+    )  # fmt: skip
+    return out

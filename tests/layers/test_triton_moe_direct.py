@@ -1,0 +1,41 @@
+"""The direct MoE path (``triton_moe_direct.py``) on the CPU, through Triton's interpreter: in a
+subprocess, since ``TRITON_INTERPRET`` is read when triton is imported. The same checks run on
+the GPU in tests/gpu/test_triton_moe.py, bf16 included.
+
+fp32 and fp16 only: the interpreter casts float32 to bf16 by truncating (1 + 3/512 becomes
+1.0, not 1.0078125), so a bf16 result cannot show the rounding points it is checked for.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.layers.test_triton_prefill import REPO
+
+SCRIPT = """
+import torch
+from tests.layers import moe_kernel_checks as checks
+for shape in checks.DIRECT_SHAPES:
+    for dtype in (torch.float32, torch.float16):
+        checks.check_path_matches_reference("direct", shape, dtype, "cpu")
+    checks.check_direct_is_bit_exact(shape, torch.float16, "cpu")
+    print("ok", shape)
+checks.check_fused_experts_dispatch("cpu")
+print("ok dispatch")
+"""
+
+
+def test_the_direct_path_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    command = [sys.executable, "-c", SCRIPT]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    from tests.layers.moe_kernel_checks import DIRECT_SHAPES
+
+    assert result.stdout.count("ok") == len(DIRECT_SHAPES) + 1, result.stdout
