@@ -9,13 +9,16 @@
   also sets up the host arena: its own line);
 - a level-2 sleep, then a refit from GPU tensors of this process by the HF per-expert names
   (``update_weights``), against a device-to-device copy of the same bytes;
-- the experts of all layers alone, replayed from one graph, per tile configuration
-  (``benchmarks/moe_kernels.py``): whether retuning ``block_config`` pays;
+- the experts of all layers alone, replayed from one graph (``benchmarks/moe_kernels.py``):
+  the sorted path against the direct one per batch size, and per tile configuration;
+- the old step: decode at batch 1 and 64 with the sorted MoE path at every size (what
+  ``fused_experts`` ran before the direct path), in a child process of the same run;
 - the peer: the torch reference path (``DORMANT_TRITON=0``, every expert on every token, FULL
   graphs) at batch 1 and 64, in a child process of the same run.
 
 Usage: python benchmarks/moe.py [--out results.jsonl] [--layers 48] [--skip-peer]
-(about 4-5 minutes on an H200 at 48 layers; ``--layers 8`` for a quick look).
+[--skip-sorted] [--skip-kernels] (about 6-7 minutes on an H200 at 48 layers; ``--layers 8``
+for a quick look).
 """
 
 from __future__ import annotations
@@ -174,13 +177,24 @@ def bench_sleep_wake(rec: Recorder, llm: LLM, bandwidth: float, context: int) ->
     return rows
 
 
-def run_peer(args: argparse.Namespace) -> None:
-    """The torch reference path, in a child process (DORMANT_TRITON is read at import)."""
-    command = [sys.executable, __file__, "--peer-only", "--layers", str(args.layers),
+def run_child(args: argparse.Namespace, *, is_peer: bool) -> None:
+    """Decode alone in a child process: the torch reference path (``is_peer``;
+    DORMANT_TRITON is read at import), or the Triton kernels with the sorted MoE path only."""
+    command = [sys.executable, __file__, "--decode-only", "--layers", str(args.layers),
                "--context", str(args.context)]  # fmt: skip
     if args.out:
         command += ["--out", args.out]
-    subprocess.run(command, env={**os.environ, "DORMANT_TRITON": "0"}, check=True)
+    if not is_peer:
+        command += ["--moe-path", "sorted"]
+    env = {**os.environ, "DORMANT_TRITON": "0"} if is_peer else None
+    subprocess.run(command, env=env, check=True)
+
+
+def sorted_only() -> None:
+    """Every ``fused_experts`` call takes the sorted path (graphs capture what they see)."""
+    from dormant.layers import triton_moe  # needs triton
+
+    triton_moe.is_direct = lambda num_tokens, top_k: False
 
 
 def main() -> None:
@@ -190,12 +204,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens in each sequence's KV")
     parser.add_argument("--skip-peer", action="store_true", help="no torch-reference run")
     parser.add_argument("--skip-kernels", action="store_true", help="no per-tile expert sweep")
-    parser.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-sorted", action="store_true", help="no old (sorted-path) step")
+    parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--moe-path", choices=("auto", "sorted"), default="auto",
+                        help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     rec = Recorder(args.out)
     system = "triton" if IS_TRITON_ENABLED else "torch reference"
+    if IS_TRITON_ENABLED and args.moe_path == "sorted":
+        sorted_only()
+        system = "triton, sorted MoE path (old)"
     bandwidth = device_copy_bandwidth()
-    if args.peer_only:
+    if args.decode_only:
         llm = build(args.layers, multi_steps=1)
         rows = bench_decode(rec, llm, system, bandwidth, args.context)
         llm.shutdown()
@@ -219,8 +239,10 @@ def main() -> None:
     del llm, worker
     torch.cuda.empty_cache()
     print(table(rows, COLUMNS))
+    if IS_TRITON_ENABLED and not args.skip_sorted:
+        run_child(args, is_peer=False)
     if not args.skip_peer:
-        run_peer(args)
+        run_child(args, is_peer=True)
 
 
 if __name__ == "__main__":
