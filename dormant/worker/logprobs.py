@@ -18,6 +18,9 @@ A packed logprobs row for ``k`` top tokens, ``3 + 2k`` int32 (``gather_logprobs`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import repeat
+
 import numpy as np
 import torch
 
@@ -58,20 +61,33 @@ def trim_top(packed: torch.Tensor, num_top: int) -> torch.Tensor:
 
 def unpack_logprobs(packed: np.ndarray) -> list[TokenLogprobs]:
     """The host side of ``gather_logprobs``: one ``TokenLogprobs`` per row of ``packed``
-    (int32 [n, 3 + 2k]); the top tokens' ranks are 1 .. k. (This runs on the host between
-    steps, once per row: columns become lists in one call each.)"""
+    (int32 [n, 3 + 2k]); the top tokens' ranks are 1 .. k.
+
+    This runs on the host between steps, once per row, so no row runs Python code: each
+    field's columns become one list of tuples in numpy and C, and the named tuples are made
+    by ``tuple.__new__`` (what ``TokenLogprobs._make`` does, without its Python frame).
+    """
     num_top = (packed.shape[-1] - _NUM_FIXED_COLUMNS) // 2
     values = packed.view(np.float32)
-    rows = zip(packed[:, 0].tolist(), values[:, 2].tolist(), packed[:, 1].tolist(), strict=True)
+    token_ids: Iterable[tuple[int, ...]]
+    logprobs: Iterable[tuple[float, ...]]
+    ranks: Iterable[tuple[int, ...]]
     if num_top == 0:
-        return [TokenLogprobs((token,), (logprob,), (rank,)) for token, logprob, rank in rows]
-    top_ids = packed[:, 3 : 3 + num_top].tolist()
-    top_logprobs = values[:, 3 + num_top :].tolist()
-    top_ranks = tuple(range(1, num_top + 1))
-    return [
-        TokenLogprobs((token, *ids), (logprob, *logprobs), (rank, *top_ranks))
-        for (token, logprob, rank), ids, logprobs in zip(rows, top_ids, top_logprobs, strict=True)
-    ]
+        token_ids = zip(packed[:, 0].tolist())
+        logprobs = zip(values[:, 2].tolist())
+        ranks = zip(packed[:, 1].tolist())
+    else:
+        top_ids = slice(_NUM_FIXED_COLUMNS, _NUM_FIXED_COLUMNS + num_top)
+        top_values = slice(_NUM_FIXED_COLUMNS + num_top, _NUM_FIXED_COLUMNS + 2 * num_top)
+        top_ranks = np.broadcast_to(
+            np.arange(1, num_top + 1, dtype=np.int32), (len(packed), num_top)
+        )
+        token_ids = map(tuple, np.concatenate([packed[:, :1], packed[:, top_ids]], 1).tolist())
+        logprobs = map(tuple, np.concatenate([values[:, 2:3], values[:, top_values]], 1).tolist())
+        ranks = map(tuple, np.concatenate([packed[:, 1:2], top_ranks], 1).tolist())
+    return list(
+        map(tuple.__new__, repeat(TokenLogprobs), zip(token_ids, logprobs, ranks, strict=True))
+    )
 
 
 def packed_logprobs(

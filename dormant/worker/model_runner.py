@@ -33,10 +33,10 @@ from dormant.worker.logprobs import (
     packed_logprobs,
     packed_width,
     trim_top,
-    unpack_logprobs,
 )
 from dormant.worker.penalties import LogitsProcessors
 from dormant.worker.sampler import SamplingTensors, sample_and_process
+from dormant.worker.step_readback import read_step_output
 
 # The fused multi-step graph carries the sampled token's logprob and rank and at most this many
 # top logprobs (fewer when max_logprobs is smaller); a batch asking for more runs single steps.
@@ -237,33 +237,13 @@ class ModelRunner:
         logprobs: torch.Tensor | None,
         prompt: torch.Tensor | None,
     ) -> StepOutput:
-        """Waits for the step's host copy and reads it back: tokens [num_steps, n], then the
-        packed logprobs [num_steps, n, w], then the packed prompt logprobs."""
+        """Waits for the step's host copy and reads it back (``step_readback``): tokens
+        [num_steps, n], then the packed logprobs [num_steps, n, w], then the packed prompt
+        logprobs."""
         host = self._host_copy.wait()
-        num_seqs = len(seqs)
-        end = num_steps * num_seqs
-        tokens = host[:end].reshape(num_steps, num_seqs).T.tolist()
-        per_token = None
-        if logprobs is not None:
-            width = logprobs.shape[-1]
-            packed = host[end : end + num_steps * num_seqs * width].reshape(-1, width)
-            end += packed.size
-            per_token = unpack_logprobs(packed)  # step-major: [step * num_seqs + row]
-        prompt_entries = []
-        if prompt is not None:
-            prompt_entries = unpack_logprobs(host[end:].reshape(-1, prompt.shape[-1]))
-        outputs, next_prompt = [], 0
-        for row, seq in enumerate(seqs):
-            seq_logprobs = None
-            if per_token is not None and seq.params.logprobs is not None:
-                seq_logprobs = tuple(per_token[s * num_seqs + row] for s in range(num_steps))
-            seq_prompt = None
-            if seq.compute_prompt_logprobs:
-                count = len(seq.token_ids) - 1
-                seq_prompt = tuple(prompt_entries[next_prompt : next_prompt + count])
-                next_prompt += count
-            outputs.append(SeqOutput(tuple(tokens[row]), seq_logprobs, seq_prompt))
-        return StepOutput(tuple(outputs))
+        width = None if logprobs is None else logprobs.shape[-1]
+        prompt_width = None if prompt is None else prompt.shape[-1]
+        return read_step_output(host, seqs, num_steps, width, prompt_width)
 
 
 def _num_logprobs(requested: int | bool | None, vocab_size: int) -> int:
