@@ -32,14 +32,19 @@ ODD_TILES = (GemvConfig(8, 16, num_warps=2), GemvConfig(16, 32, num_warps=1, num
 
 
 def random_inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int = 0):
+    """Drawn on ``device`` (fast for the model-sized shapes on the GPU)."""
     num_tokens, num_experts, _, hidden, inter = shape
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=generator)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5
-    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device)
+
+    x = randn(num_tokens, hidden)
+    w13 = randn(num_experts, 2 * inter, hidden) / hidden**0.5
+    w2 = randn(num_experts, hidden, inter) / inter**0.5
+    logits = randn(num_tokens, num_experts)
     logits[:, num_experts // 2] = -1e4  # one expert nobody picks
-    return [t.to(device, dtype) for t in (x, w13, w2, logits)]
+    return [t.to(dtype) for t in (x, w13, w2, logits)]
 
 
 def _sparse_rows(rows: int, cols: int, per_row: int, signs: bool, generator) -> torch.Tensor:
