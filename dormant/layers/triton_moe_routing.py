@@ -69,10 +69,13 @@ def topk_softmax(
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
     if num_tokens > 0:
+        experts_pad = triton.next_power_of_2(num_experts)
+        # One warp up to 256 experts: each of the 2 * top_k reductions is then warp shuffles
+        # alone, no shared memory and barrier between warps (a decode step's row is latency).
         _topk_softmax_kernel[(num_tokens,)](
             router_logits, weights, ids, router_logits.stride(0), num_experts,
-            EXPERTS_PAD=triton.next_power_of_2(num_experts), TOP_K=top_k,
-            TOP_K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+            EXPERTS_PAD=experts_pad, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, num_warps=1 if experts_pad <= 256 else 4,
         )  # fmt: skip
     return weights, ids
 
