@@ -6,8 +6,10 @@ Cases (BENCHMARKS.md, issue 17):
     weights alone, changed (the level-1 sleep is at this when the KV release hides under the
     copies); the level-1 sleep once per ``DiscardOrder`` (``--discard-orders``), each row with
     the seconds inside the KV's unmap + release (``discard_s``) and the weights' (``release_s``);
-  - the same with the weights unchanged since the last offload; the weights alone, unchanged;
-    8 GiB in one allocation, unchanged (the unchanged row less the per-handle cost of 131 handles);
+  - the same with the weights unchanged since the last offload; the weights alone, unchanged
+    (under the weights' slab rule: 7 handles, was 131), also with the hashes in 1 group (hash
+    all, then release) and in 8 (release each group's handles while the next ones hash;
+    ``--hash-groups``); 8 GiB in one allocation, unchanged (the floor: no per-handle cost);
   - the KV cache alone, discard and restore, dormant and torch_memory_saver interleaved round by
     round (each op after an idle gap, the first system alternating), medians, spread and the
     median of the per-round ratios;
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import GiB, MiB, Recorder, environment, timed
 from benchmarks.sleep_wake_report import phases, ratio_rows, summary
-from dormant.memory import DiscardOrder, MemoryManager
+from dormant.memory import DiscardOrder, MemoryManager, offload
 
 KV_BYTES = 32 * GiB
 # Idle time between a sleep and the next wake: the trainer's step. Without it, a wake that follows
@@ -132,11 +134,17 @@ def first_sleep(rec: Recorder, mm: MemoryManager, case: str, request: dict, nbyt
              **phases([report]))  # fmt: skip
 
 
-def bench_dormant(rec: Recorder, cycles: int, orders: list[DiscardOrder]) -> None:
+def bench_dormant(
+    rec: Recorder, cycles: int, orders: list[DiscardOrder], hash_groups: list[int]
+) -> None:
     level1 = {"weights": "host", "kv_cache": "discard"}
     mm = MemoryManager("cuda")
     weights = [mm.empty((n,), torch.bfloat16, "weights") for n in weight_mix()]
     nbytes = sum(t.numel() * 2 for t in weights)
+    tag = mm.status().tag("weights")  # the weights' slab rule (slab_rules.LONG_LIVED)
+    rec.emit(case="8B weights layout", system="dormant", op="layout", nbytes=nbytes,
+             median_s=0.0, handles=tag.num_allocations,
+             slack_bytes=tag.reserved_bytes - tag.block_bytes)  # fmt: skip
     kv = mm.empty((KV_BYTES,), torch.uint8, "kv_cache")
     fill_random(weights)
 
@@ -159,6 +167,16 @@ def bench_dormant(rec: Recorder, cycles: int, orders: list[DiscardOrder]) -> Non
     cycle(rec, mm, "8B weights + 32G KV, unchanged", level1, nbytes, cycles, None)
     cycle(rec, mm, "8B weights only, unchanged", {"weights": "host"}, nbytes, cycles, None,
           ["weights"])  # fmt: skip
+    default_groups = offload.HASH_GROUPS
+    for groups in hash_groups:  # 1: hash everything, then release; more: release under hashing
+        offload.HASH_GROUPS = groups
+        cycle(rec, mm, f"8B weights only, unchanged, {groups} hash groups", {"weights": "host"},
+              nbytes, cycles, None, ["weights"])  # fmt: skip
+    offload.HASH_GROUPS = default_groups
+    tag = mm.status().tag("weights")  # after the first sleep trimmed the slabs' tails
+    rec.emit(case="8B weights layout, trimmed", system="dormant", op="layout", nbytes=nbytes,
+             median_s=0.0, handles=tag.num_allocations,
+             slack_bytes=tag.reserved_bytes - tag.block_bytes)  # fmt: skip
     del weights, kv
     gc.collect()
 
@@ -313,13 +331,17 @@ def main() -> None:
         default=every_order,
         help="DiscardOrder values to time the level-1 sleep with, or none",
     )
+    parser.add_argument(
+        "--hash-groups", default="1,8", help="HASH_GROUPS values for the unchanged weights row"
+    )
     args = parser.parse_args()
     orders = parse_orders(args.discard_orders)
+    hash_groups = [int(g) for g in args.hash_groups.split(",") if g]
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     limits = measure_limits(rec, 8 * GiB)
     if not args.kv_only:
-        bench_dormant(rec, args.cycles, orders)
+        bench_dormant(rec, args.cycles, orders, hash_groups)
         if not args.skip_tms:
             bench_tms(rec, args.cycles)
     bench_kv(rec, args.kv_rounds, not args.skip_tms)

@@ -45,6 +45,7 @@ from dormant.memory.process_checkpoint import (
     ProcessCheckpoint,
     ProcessState,
 )
+from dormant.memory.slab_rules import LONG_LIVED, InvalidSlabRuleError, SlabRule
 from dormant.memory.states import State, TagState
 from dormant.memory.status import (
     ContextReport,
@@ -60,6 +61,7 @@ __all__ = [
     "CUDA_GRAPH",
     "KV_CACHE",
     "LEVELS",
+    "LONG_LIVED",
     "RUNTIME",
     "WEIGHTS",
     "WORKSPACE",
@@ -75,6 +77,7 @@ __all__ = [
     "DiscardOrder",
     "DriverError",
     "HostArenaError",
+    "InvalidSlabRuleError",
     "ManagerClosedError",
     "ManagerExistsError",
     "MemoryLayerError",
@@ -86,6 +89,7 @@ __all__ = [
     "ProcessCheckpoint",
     "ProcessState",
     "ResidualItem",
+    "SlabRule",
     "SleepConflictError",
     "SleepFailedError",
     "SleepReport",

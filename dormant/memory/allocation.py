@@ -43,6 +43,8 @@ class Allocation:
     """A VA range of ``size`` bytes (a multiple of the granularity) in one tag.
 
     Invariants:
+    - ``size`` is what is mapped, copied and hashed; ``reserved`` (≥ ``size``) is the VA range
+      reserved for it. They differ only once a trimming slab rule shrank it (pool.py).
     - ``handle`` is the physical memory, held exactly in the MAPPED and UNMAPPED states; whenever
       a driver call fails the handle is kept, so it is never lost and never released twice.
     - ``pending`` is the policy of the sleep an UNMAPPED allocation is on its way into (None in
@@ -64,7 +66,11 @@ class Allocation:
     has_host_copy: bool = False
     digest: bytes | None = None
     is_dirty: bool = False
+    reserved: int = 0  # 0: ``size`` (set in __post_init__)
     id: int = field(default_factory=lambda: next(_ids))
+
+    def __post_init__(self) -> None:
+        self.reserved = self.reserved or self.size
 
     @property
     def span(self) -> Span:
@@ -114,4 +120,4 @@ def destroy_allocation(backend: Backend, allocation: Allocation) -> None:
     if allocation.handle is not None:
         backend.release(allocation.handle)
         allocation.handle = None
-    backend.free_reservation(allocation.va, allocation.size)
+    backend.free_reservation(allocation.va, allocation.reserved)

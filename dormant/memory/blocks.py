@@ -16,22 +16,34 @@ from dormant.memory.arena import HostArena
 from dormant.memory.audit import AuditRecord, call_site
 from dormant.memory.backend import Backend
 from dormant.memory.pool import Block, TagPool
+from dormant.memory.slab_rules import SlabRule
 
 
 class BlockTable:
     """Invariant: ``_blocks`` holds exactly the blocks that are allocated and not yet freed."""
 
     def __init__(
-        self, backend: Backend, arena: HostArena, slab_bytes: int, max_slab_bytes: int
+        self,
+        backend: Backend,
+        arena: HostArena,
+        slab_bytes: int,
+        max_slab_bytes: int,
+        slab_rules: dict[str, SlabRule] | None = None,
     ) -> None:
         self.backend = backend
         self.arena = arena
         self._slab_bytes, self._max_slab_bytes = slab_bytes, max_slab_bytes
+        self.slab_rules = dict(slab_rules or {})  # tags with a rule of their own
         self.pools: dict[str, TagPool] = {}
         self._blocks: dict[int, tuple[Block, AuditRecord]] = {}
 
-    def add_tag(self, tag: str) -> None:
-        self.pools[tag] = TagPool(self.backend, tag, self._slab_bytes, self._max_slab_bytes)
+    def add_tag(self, tag: str, rule: SlabRule | None = None) -> None:
+        """A pool for ``tag``: with ``rule``, else the tag's rule in ``slab_rules``, else the
+        default one (``max_slab_bytes``)."""
+        rule = rule or self.slab_rules.get(tag)
+        self.pools[tag] = TagPool(
+            self.backend, tag, self._slab_bytes, self._max_slab_bytes, rule=rule
+        )
 
     def allocations(self, tags: Iterable[str] | None = None) -> Iterator[Allocation]:
         for tag in self.pools if tags is None else tags:
@@ -69,6 +81,13 @@ class BlockTable:
             if record.contains(address):
                 return block
         raise ValueError(f"address {address:#x} is not memory of this MemoryManager")
+
+    def tag_of(self, address: int) -> str | None:
+        """The tag of the block containing ``address``; None if no block does."""
+        try:
+            return self.find(address).allocation.tag
+        except ValueError:
+            return None
 
     def mark_dirty(self, target: int | str) -> None:
         """Marks the allocation holding address ``target``, or every allocation of tag

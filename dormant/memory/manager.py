@@ -13,16 +13,16 @@ from functools import partial
 import torch
 
 from dormant.memory import device_slots
-from dormant.memory.adopt import Shape, adopt_module, pack_views, tensor_specs
+from dormant.memory.adopt import Shape, adopt_module
 from dormant.memory.allocation import Kind
 from dormant.memory.arena import ArenaPreparation, HostArena
-from dormant.memory.audit import AuditReport, make_report
+from dormant.memory.audit import AuditReport
 from dormant.memory.backend import Backend
 from dormant.memory.backends import open_backend
 from dormant.memory.blocks import BlockTable
 from dormant.memory.capture import TagPools, capture_scope, check_not_capturing, require_cuda
 from dormant.memory.context_release import ContextRelease
-from dormant.memory.errors import ManagerClosedError
+from dormant.memory.frontends import Frontends
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.offload import DiscardOrder
 from dormant.memory.policy import (
@@ -30,17 +30,16 @@ from dormant.memory.policy import (
     CUDA_GRAPH,
     Policy,
     as_tag_list,
-    audited_tags,
     sleep_request,
 )
-from dormant.memory.pool import BLOCK_ALIGNMENT, Block
 from dormant.memory.residual import ResidualLedger
 from dormant.memory.serial import SerialSection
+from dormant.memory.slab_rules import SlabRule, tag_slab_rules
 from dormant.memory.sleep_wake import prepare_host_copies, sleep_tags, wake_tags
 from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
-from dormant.memory.status_report import build_status, released_status
-from dormant.memory.tag_machine import asleep_policy, check_can_allocate, check_known, tag_states
+from dormant.memory.status_report import status_of
+from dormant.memory.tag_machine import asleep_policy, tag_states
 
 
 class MemoryManager:
@@ -59,6 +58,9 @@ class MemoryManager:
         slab_bytes: the smallest slab that small blocks are carved from (see pool.py).
         max_slab_bytes: the largest slab; blocks below 1/16 of it share slabs, so that many
             small allocations (graph pools, capture scopes) sleep and wake as few handles.
+        slab_rules: tags whose blocks are sized by a ``SlabRule`` of their own, not by the two
+            above (None: the built-in ones, ``weights`` coalescing into slabs of up to 2 GiB;
+            see slab_rules.py).
         host_capacity: capacity of the host backend in bytes (tests use it to provoke OOM).
         arena_chunk_bytes: the size the host arena grows by (a region larger than it gets its own).
     """
@@ -74,6 +76,7 @@ class MemoryManager:
         discard_order: DiscardOrder | str = DiscardOrder.UNDER_COPIES,
         slab_bytes: int = 2 << 20,
         max_slab_bytes: int = 512 << 20,
+        slab_rules: Mapping[str, SlabRule] | None = None,
         host_capacity: int | None = None,
         arena_chunk_bytes: int = 1 << 30,
     ) -> None:
@@ -83,8 +86,8 @@ class MemoryManager:
         self.keep_arena, self.skip_unchanged = keep_arena, skip_unchanged
         self.discard_order = discard_order  # parsed by the setter
         self.arena = HostArena(self.backend, chunk_bytes=arena_chunk_bytes)
-        self._user_tags: dict[str, dict[int, Policy]] = {}
-        self._table = BlockTable(self.backend, self.arena, slab_bytes, max_slab_bytes)
+        rules = tag_slab_rules(slab_rules)
+        self._table = BlockTable(self.backend, self.arena, slab_bytes, max_slab_bytes, rules)
         for tag in BUILTIN_TAGS:
             self._table.add_tag(tag)
         self._guard = PointerGuard()
@@ -92,7 +95,9 @@ class MemoryManager:
         self._tag_pools = TagPools(self.raw_alloc, self.raw_free)
         self.residual = ResidualLedger(self._table, self._serial)  # the residual, by owner
         self.context = ContextRelease(self._serial, self.backend, self.residual.process_bytes)
-        self._is_closed = False
+        self._front = Frontends(self._table, self._serial, self.context)
+        self._user_tags = self._front.user_tags
+        self._op, self._check_tags = self._front.op, self._front.check_tags
         self.last_sleep: SleepReport | None = None
         self.last_wake: WakeReport | None = None
         self._finalizer = weakref.finalize(self, device_slots.give_back, self.backend.device_key)
@@ -111,14 +116,15 @@ class MemoryManager:
     def tags(self) -> tuple[str, ...]:
         return tuple(self._table.pools)
 
-    def register_tag(self, tag: str, levels: Mapping[int, Policy | str] | None = None) -> None:
-        """Adds a user tag. ``levels`` maps sleep levels to policies (default: HOST at 1 and 2)."""
-        with self._op():
-            if tag in self._table.pools:
-                raise ValueError(f"tag {tag!r} already exists; tags: {list(self.tags)}")
-            per_level = {int(k): Policy.parse(v) for k, v in (levels or {}).items()}
-            self._user_tags[tag] = per_level
-            self._table.add_tag(tag)
+    def register_tag(
+        self,
+        tag: str,
+        levels: Mapping[int, Policy | str] | None = None,
+        slab_rule: SlabRule | None = None,
+    ) -> None:
+        """Adds a user tag. ``levels`` maps sleep levels to policies (default: HOST at 1 and 2);
+        ``slab_rule`` sizes its slabs (default: the manager's, or its entry in ``slab_rules``)."""
+        self._front.register_tag(tag, levels, slab_rule)
 
     def tag_states(self) -> dict[str, TagState]:
         """Every tag's state, derived from its allocations (an empty tag is AWAKE); also after
@@ -148,7 +154,7 @@ class MemoryManager:
         self, specs: Sequence[tuple[Shape, torch.dtype]], tag: str
     ) -> list[torch.Tensor]:
         """Tensors packed into one block of ``tag`` (one storage: freed when all of them die)."""
-        return self._empty_many(specs, tag, Kind.TENSOR)
+        return self._front.empty_many(specs, tag, Kind.TENSOR)
 
     def adopt(
         self, module: torch.nn.Module, tag: str = "weights", buffer_tag: str = "runtime"
@@ -158,25 +164,23 @@ class MemoryManager:
         Each parameter keeps its identity (``param.data`` is swapped); buffers are replaced in their
         modules. Parameters and buffers on the meta device are materialised uninitialised.
         """
-        return adopt_module(module, partial(self._empty_many, kind=Kind.ADOPTED), tag, buffer_tag)
+        return adopt_module(
+            module, partial(self._front.empty_many, kind=Kind.ADOPTED), tag, buffer_tag
+        )
 
     def raw_alloc(self, nbytes: int, tag: str) -> int:
         """The address of ``nbytes`` in ``tag``, for allocator plugins; undeclared."""
-        with self._op():
-            return self._allocate(max(nbytes, 1), tag, Kind.RAW).address
+        return self._front.raw_alloc(nbytes, tag)
 
     def raw_free(self, address: int) -> None:
         """Frees memory from ``raw_alloc``; legal while its tag sleeps, and after ``close``
         (a capture pool returns its memory when its last user dies)."""
-        with self._serial.held():
-            self._free_block(self._table.raw_block(address))
+        self._front.raw_free(address)
 
     def declare_backing(self, memory: torch.Tensor | int) -> None:
         """Marks the block holding ``memory`` (a tensor, or an address from ``raw_alloc``) as
         backing: memory that is meant to be discarded with its tag."""
-        address = memory if isinstance(memory, int) else memory.data_ptr()
-        with self._op():
-            self._table.declare(address)
+        self._front.declare_backing(memory)
 
     # ── torch integration (CUDA) ──────────────────────────────────────────────────────────────
     @contextmanager
@@ -201,10 +205,7 @@ class MemoryManager:
     # ── safety tools ──────────────────────────────────────────────────────────────────────────
     def audit(self, tags: Iterable[str] | None = None) -> AuditReport:
         """The live blocks of ``tags`` (default: every discardable tag), with their call sites."""
-        with self._op():
-            names = None if tags is None else self._check_tags(as_tag_list(tags))
-            wanted = audited_tags(names, self._user_tags, self.tags)
-            return make_report(r for r in self._table.records() if r.tag in wanted)
+        return self._front.audit(tags)
 
     def guard_addresses(self, name: str, tensors: TensorSource) -> None:
         """Records the addresses of ``tensors`` (or of what a callable returns, re-evaluated at
@@ -223,10 +224,7 @@ class MemoryManager:
 
         Hints can only add copies: unchanged detection never skips a dirty allocation.
         """
-        with self._op():
-            self._table.mark_dirty(
-                self._check_tags([target])[0] if isinstance(target, str) else target.data_ptr()
-            )
+        self._front.mark_dirty(target)
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
     def sleep(
@@ -293,77 +291,26 @@ class MemoryManager:
         """Tags, the last reports and the residual by owner (residual.py); while the CUDA
         context is released, from NVML alone (no CUDA call could answer)."""
         with self._serial.held():
-            if self._is_closed:
-                raise ManagerClosedError("this MemoryManager was closed; create a new one")
-            context = self.context.last
-            if context is not None and context.is_released:
-                return released_status(
-                    self._table, self.last_sleep, self.last_wake, self.residual, context
-                )
-            return build_status(
-                self._table, self.last_sleep, self.last_wake, self.residual, context
-            )
+            self._front.check_open()
+            reports = (self.last_sleep, self.last_wake)
+            return status_of(self._table, *reports, self.residual, self.context.last)
 
     def tag_of(self, memory: torch.Tensor | int) -> str | None:
         """The tag whose memory holds ``memory`` (a tensor's first byte, or an address); None
         when it is no memory of this manager."""
-        address = memory if isinstance(memory, int) else memory.data_ptr()
         with self._serial.held():
-            try:
-                return self._table.find(address).allocation.tag
-            except ValueError:
-                return None
+            return self._table.tag_of(memory if isinstance(memory, int) else memory.data_ptr())
 
     def close(self) -> None:
         """Stops new operations and frees the device slot; live tensors stay valid until they die,
         and the arena goes with the last of them."""
         self.context.restore()  # frees need the device back
         with self._serial.held():
-            if self._is_closed:
+            if self._front.is_closed:
                 return
-            self._is_closed = True
+            self._front.is_closed = True
             if self._table.is_empty:
                 self.arena.release()
         self._tag_pools.release()  # pools die (and free through raw_free) once unused
         self.context.close()
         self._finalizer()
-
-    # ── internals ─────────────────────────────────────────────────────────────────────────────
-    @contextmanager
-    def _op(self) -> Iterator[None]:
-        with self._serial.held():
-            if self._is_closed:
-                raise ManagerClosedError("this MemoryManager was closed; create a new one")
-            self.context.check_usable("this MemoryManager call")
-            yield
-
-    def _check_tags(self, tags: Iterable[str]) -> list[str]:
-        return check_known(self._table.pools, tags)
-
-    def _empty_many(
-        self, specs: Sequence[tuple[Shape, torch.dtype]], tag: str, kind: Kind
-    ) -> list[torch.Tensor]:
-        layout, nbytes = tensor_specs(specs, BLOCK_ALIGNMENT)
-        with self._op():
-            if nbytes == 0:
-                self._check_tags([tag])
-                return [torch.empty(s, dtype=d, device=self.backend.device) for s, d in specs]
-            block = self._allocate(nbytes, tag, kind)
-            raw = self._table.view(block, partial(self._on_storage_freed, block))
-        return pack_views(raw, specs, layout)
-
-    def _allocate(self, nbytes: int, tag: str, kind: Kind) -> Block:
-        self._check_tags([tag])
-        check_can_allocate(self._table.pools[tag])
-        return self._table.allocate(nbytes, tag, kind)
-
-    def _on_storage_freed(self, block: Block) -> None:
-        """Deleter of a tensor storage; may run on any thread, even inside one of our own calls."""
-        self._serial.defer(partial(self._free_block, block))
-
-    def _free_block(self, block: Block) -> None:
-        if self.context.defer(partial(self._free_block, block)):
-            return  # the driver is locked (context released): it runs after the restore
-        self._table.free(block)
-        if self._is_closed and self._table.is_empty:
-            self.arena.release()

@@ -15,6 +15,10 @@ so a tag never holds more than 1/SLAB_GROWTH of its slab bytes in a slab it has 
 fill, plus what freed blocks leave behind (a slab's physical memory returns only once all of its
 blocks are gone). Blocks of at least ``coalesce_limit`` = max_slab_bytes / 16 get an allocation
 of their own: at most 1/16 of a slab is then lost at its end to a block that did not fit.
+
+That is the default ``SlabRule``; a tag may have its own (``slab_rules.py``): the ``weights`` tag
+coalesces every block below 2 GiB, grows its slabs by half of what it holds, and ``trim``s each
+slab's unused tail once it sleeps (the allocation's ``size`` shrinks; its VA reservation stays).
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from dataclasses import dataclass
 from dormant.memory.allocation import Allocation, Kind, create_allocation, destroy_allocation
 from dormant.memory.backend import Backend
 from dormant.memory.ranges import RangeAllocator, align_up
+from dormant.memory.slab_rules import SlabRule
 
 BLOCK_ALIGNMENT = 256
 SLAB_GROWTH = 8
-COALESCE_FRACTION = 16
+COALESCE_FRACTION = 16  # the default rule's (slab_rules.DEFAULT_COALESCE_FRACTION)
 
 
 @dataclass(eq=False)
@@ -49,23 +54,35 @@ class Block:
 
 
 class TagPool:
-    """Allocations of one tag. Invariant: every slab's allocation is in ``allocations``."""
+    """Allocations of one tag, sized by ``rule`` (default: ``SlabRule(max_slab_bytes)``).
+
+    Invariant: every slab's allocation is in ``allocations``, and its range allocator spans
+    exactly that allocation's ``size``.
+    """
 
     def __init__(
-        self, backend: Backend, tag: str, slab_bytes: int, max_slab_bytes: int | None = None
+        self,
+        backend: Backend,
+        tag: str,
+        slab_bytes: int,
+        max_slab_bytes: int | None = None,
+        rule: SlabRule | None = None,
     ) -> None:
         self._backend = backend
         self.tag = tag
         self.slab_bytes = align_up(slab_bytes, backend.granularity)
         largest = self.slab_bytes if max_slab_bytes is None else max_slab_bytes
-        self.max_slab_bytes = max(align_up(largest, backend.granularity), self.slab_bytes)
+        self.rule = SlabRule(largest, coalesce_fraction=COALESCE_FRACTION) if rule is None else rule
+        self.max_slab_bytes = max(
+            align_up(self.rule.max_slab_bytes, backend.granularity), self.slab_bytes
+        )
         self.allocations: list[Allocation] = []
         self._slabs: list[Slab] = []
 
     @property
     def coalesce_limit(self) -> int:
         """Blocks below this many bytes are carved from slabs."""
-        return max(self.max_slab_bytes // COALESCE_FRACTION, self.slab_bytes // 4)
+        return max(self.max_slab_bytes // self.rule.coalesce_fraction, self.slab_bytes // 4)
 
     @property
     def used_bytes(self) -> int:
@@ -100,9 +117,30 @@ class TagPool:
     def next_slab_bytes(self, nbytes: int) -> int:
         """The size of the slab a block of ``nbytes`` that fits in no slab would get."""
         held = sum(s.allocation.size for s in self._slabs)
-        grown = 1 << max((held // SLAB_GROWTH).bit_length() - 1, 0)  # read now: tests set it
+        growth = SLAB_GROWTH if self.rule.growth is None else self.rule.growth  # read now: tests
+        grown = 1 << max((held // growth).bit_length() - 1, 0)  # set SLAB_GROWTH
         size = min(max(grown, self.slab_bytes), self.max_slab_bytes)
         return max(align_up(size, self._backend.granularity), align_up(nbytes, BLOCK_ALIGNMENT))
+
+    def trim(self) -> int:
+        """Under a trimming rule, shrinks every slab that holds no physical memory (asleep) to
+        its last block, rounded up to the granularity: the wake creates only that much, and no
+        block is placed past it again. Its arena copy stays valid; its digest is dropped (it
+        hashed the longer span), so the next sleep copies it once more. Returns the bytes
+        trimmed. Precondition: no block is being allocated (the tag is asleep)."""
+        if not self.rule.trims:
+            return 0
+        trimmed = 0
+        for slab in self._slabs:
+            allocation = slab.allocation
+            if allocation.handle is not None:
+                continue
+            end = align_up(max(slab.ranges.high_water, 1), self._backend.granularity)
+            if end < allocation.size:
+                slab.ranges.shrink(end)
+                trimmed += allocation.size - end
+                allocation.size, allocation.digest = end, None
+        return trimmed
 
     def _allocate_in_slab(self, nbytes: int, kind: Kind) -> Block:
         for slab in self._slabs:  # first fit: gaps left by larger blocks fill with smaller ones

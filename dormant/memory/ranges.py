@@ -39,6 +39,26 @@ class RangeAllocator:
     def is_empty(self) -> bool:
         return not self._allocated
 
+    @property
+    def high_water(self) -> int:
+        """The end of the last allocated span (0 when none is): everything after it is free."""
+        if self._free_ends and self._free_ends[-1] == self.size:
+            return self._free_starts[-1]
+        return self.size
+
+    def shrink(self, size: int) -> None:
+        """Ends the range at ``size``, which must be at or past ``high_water``."""
+        if not self.high_water <= size <= self.size:
+            raise ValueError(
+                f"cannot shrink to {size}: spans are allocated up to {self.high_water}"
+            )
+        if size < self.size:
+            if self._free_starts[-1] == size:
+                del self._free_starts[-1], self._free_ends[-1]
+            else:
+                self._free_ends[-1] = size
+        self.size = size
+
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a new span of ``nbytes`` (rounded to the alignment), or None if full."""
         need = align_up(max(nbytes, 1), self.alignment)

@@ -46,6 +46,8 @@ def sleep_tags(
     except DriverError as error:
         outcome = "The sleep stopped there; what was released before it stays released."
         raise failure(SleepFailedError, error, table.pools, plan.tags, outcome) from error
+    for tag in plan.tags:  # asleep now: trimming slab rules give back their slabs' free tails
+        table.pools[tag].trim()
     return replace(report, tags=plan.tags)
 
 

@@ -27,10 +27,11 @@ class TagStatus:
     tag: str
     state: TagState
     num_by_state: dict[State, int]
-    reserved_bytes: int
+    reserved_bytes: int  # the bytes of its allocations (mapped or not; trimmed slabs as trimmed)
     mapped_bytes: int
     held_bytes: int  # physical memory held: mapped, plus unmapped with the handle kept
     host_bytes: int  # arena bytes held for this tag's allocations
+    block_bytes: int = 0  # bytes in live blocks; reserved_bytes less this is slab slack
 
     @property
     def num_allocations(self) -> int:

@@ -20,6 +20,19 @@ UNOWNED = "not dormant's: CUDA context, NCCL, other libraries"
 CHECKPOINTED = "this process, its CUDA state checkpointed by the driver (NVML)"
 
 
+def status_of(
+    table: BlockTable,
+    last_sleep: SleepReport | None,
+    last_wake: WakeReport | None,
+    residual: ResidualLedger,
+    context: ContextReport | None,
+) -> MemoryStatus:
+    """The status: from NVML alone while the CUDA context is released, else in full."""
+    if context is not None and context.is_released:
+        return released_status(table, last_sleep, last_wake, residual, context)
+    return build_status(table, last_sleep, last_wake, residual, context)
+
+
 def build_status(
     table: BlockTable,
     last_sleep: SleepReport | None,
@@ -85,6 +98,7 @@ def tag_statuses(table: BlockTable) -> list[TagStatus]:
                 mapped_bytes=sum(a.size for a in allocations if a.state is State.MAPPED),
                 held_bytes=sum(a.size for a in allocations if a.handle is not None),
                 host_bytes=sum(a.region.nbytes for a in allocations if a.region is not None),
+                block_bytes=pool.used_bytes,
             )
         )
     return statuses

@@ -11,10 +11,11 @@ assertion, with its traceback) or ``crashed`` (a signal). The first line is
 ``{"phases": {method: [the step kind of each call]}, "dry_run", "detail"}``.
 
 The scenario (``Scenario.run``): weights HOST at level 1 in several allocations (two of their own
-and slabs of small blocks), kv_cache DISCARD, runtime HOST, a user tag, and cuda_graph's many small
-blocks coalesced into a few growing slabs (pool.py; SLAB_GROWTH is set to 1 here, so that a
-handful of blocks already grow a slab); the arena prepared in the background for weights and
-cuda_graph (its pins can fail too; the next sleep then grows the arena itself); level 1, wake,
+and slabs of small blocks, under a trimming slab rule, so every sleep also trims), kv_cache
+DISCARD, runtime HOST, a user tag, and cuda_graph's many small blocks coalesced into a few
+growing slabs (pool.py; SLAB_GROWTH is set to 1 here, so that a handful of blocks already grow
+a slab); the arena prepared in the background for weights and cuda_graph (its pins can fail too;
+the next sleep then grows the arena itself); level 1, wake,
 level 2, wake (then refit), ``sleep(tags=...)``, a wake of one tag, a wake of the rest. Hashes go
 in groups of 64 KiB here, so a sleep hashes several groups. Poison mode is on, so the wake fills
 are exercised. After every step, and after every failure, ``check_truth`` compares
@@ -48,6 +49,7 @@ from dormant.memory import (
 )
 from dormant.memory.host_backend import HostBackend
 from dormant.memory.policy import sleep_request
+from dormant.memory.slab_rules import SlabRule
 from tests.memory.faults import COUNTED, FaultyBackend, check_truth
 
 KiB = 1 << 10
@@ -91,6 +93,7 @@ class Scenario:
             poison=True,
             slab_bytes=64 * KiB,
             max_slab_bytes=1 << 20,
+            slab_rules={"weights": SlabRule(max_slab_bytes=1 << 20, trims=True)},
             arena_chunk_bytes=128 * KiB,
         )
         self.mm.register_tag("adapter", levels={1: "host", 2: "host"})

@@ -91,7 +91,7 @@ def backend() -> OrderBackend:
 
 @pytest.fixture
 def mm(backend: OrderBackend) -> Iterator[MemoryManager]:
-    manager = MemoryManager(backend, max_slab_bytes=2 * MiB)  # every tensor its own handle
+    manager = MemoryManager(backend, max_slab_bytes=2 * MiB, slab_rules={})  # a handle per tensor
     yield manager
     manager.close()
 
@@ -216,7 +216,7 @@ def test_every_order_round_trips_on_each_backend(
 ) -> None:
     """On the cuda backend too: the THREAD order makes its driver calls from a second thread
     (the backend makes the primary context current there), the others from this one."""
-    mm = make_mm(discard_order=order, max_slab_bytes=2 * MiB)
+    mm = make_mm(discard_order=order, max_slab_bytes=2 * MiB, slab_rules={})
     tensors, expected = _weights(mm)
     kv = mm.empty((KV,), torch.uint8, "kv_cache")
     for changed in (True, False):  # copied, then unchanged (released while later groups hash)

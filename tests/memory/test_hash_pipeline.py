@@ -74,7 +74,7 @@ def backend() -> RecordingBackend:
 
 @pytest.fixture
 def mm(backend: RecordingBackend) -> Iterator[MemoryManager]:
-    manager = MemoryManager(backend, max_slab_bytes=2 * MiB)  # every tensor its own handle
+    manager = MemoryManager(backend, max_slab_bytes=2 * MiB, slab_rules={})  # a handle per tensor
     yield manager
     manager.close()
 

@@ -133,7 +133,7 @@ def test_an_offloaded_allocation_without_a_host_copy_is_reported_lost(
 ) -> None:
     """Unreachable with the sleep order, so the state is built directly: the wake must say which
     bytes it could not restore, and hand back zeroes rather than stale arena bytes."""
-    mm = MemoryManager(faulty, max_slab_bytes=2 * MiB)  # 3 MiB: an allocation of its own
+    mm = MemoryManager(faulty, max_slab_bytes=2 * MiB, slab_rules={})  # 3 MiB: its own handle
     w = mm.empty((3 * MiB,), torch.uint8, "weights")
     table = mm.empty((1000,), torch.uint8, "weights")
     random_fill(w, 6)
