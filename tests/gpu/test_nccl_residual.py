@@ -24,8 +24,8 @@ PROBE = textwrap.dedent(
 
     torch.cuda.set_device(0)
     mm = MemoryManager("cuda")
-    dist.init_process_group("nccl", init_method="file://" + sys.argv[1], rank=0, world_size=1,
-                            device_id=torch.device("cuda", 0))
+    # no device_id: as in the engine's workers, torch makes the communicator lazily
+    dist.init_process_group("nccl", init_method="file://" + sys.argv[1], rank=0, world_size=1)
     group = DistributedTPGroup()
     made = create_communicator(group, mm.residual)
     status = mm.status()

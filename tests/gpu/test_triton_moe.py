@@ -101,7 +101,7 @@ def test_fused_experts_takes_the_direct_path_for_few_pairs() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize(  # direct at batch 1 and at its largest; sorted
-    "shape", [(1, 128, 8, 2048, 768), (16, 32, 4, 256, 128), (17, 32, 4, 256, 128)]
+    "shape", [(1, 128, 8, 2048, 768), (8, 32, 4, 256, 128), (9, 32, 4, 256, 128)]
 )
 def test_the_routing_and_experts_replay_in_a_cuda_graph(shape) -> None:
     """No host sync anywhere: captured once, replayed on new inputs, equal to eager."""

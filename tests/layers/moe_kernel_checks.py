@@ -102,8 +102,8 @@ def check_direct_is_bit_exact(shape, dtype: torch.dtype, device: str) -> None:
 
 def check_fused_experts_dispatch(device: str) -> None:
     """``fused_experts`` is the direct path up to ``DIRECT_MAX_PAIRS`` pairs, then sorted."""
-    assert DIRECT_MAX_PAIRS == 64 and is_direct(8, 8) and not is_direct(9, 8)
-    for shape in ((8, 16, 8, 16, 16), (9, 16, 8, 16, 16), (64, 4, 1, 16, 16), (65, 4, 1, 16, 16)):
+    assert DIRECT_MAX_PAIRS == 32 and is_direct(4, 8) and not is_direct(5, 8)
+    for shape in ((4, 16, 8, 16, 16), (5, 16, 8, 16, 16), (32, 4, 1, 16, 16), (33, 4, 1, 16, 16)):
         x, w13, w2, logits = random_inputs(shape, torch.float32, device)
         weights, ids = select_experts(logits, shape[2], renormalize=True)
         is_few = is_direct(shape[0], shape[2])
