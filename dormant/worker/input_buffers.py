@@ -3,7 +3,9 @@
 The device buffers are allocated once, in the ``runtime`` tag, and never replaced: a captured
 graph reads them at fixed addresses, and a sleep preserves them (HOST at every level). Each step
 writes its first ``num_tokens`` / ``num_seqs`` entries from host staging arrays (pinned on CUDA)
-with non-blocking copies, and the metadata views those prefixes.
+with non-blocking copies, and the metadata views those prefixes. A host block-table row is
+rewritten only when its blocks changed (``_stage_block_tables``); the copy to the device is
+whole every step.
 
 | buffer           | dtype | shape                         | entry                              |
 |------------------|-------|-------------------------------|------------------------------------|
@@ -66,6 +68,8 @@ class InputBuffers:
             for name, (shape, dtype) in specs.items()
         }
         self._host_np = {name: t.numpy() for name, t in self._host.items()}
+        # What each host block-table row holds (see _stage_block_tables); rows start unknown.
+        self._staged_tables: list[tuple[int, ...] | None] = [None] * max_seqs
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device buffer (what the pointer guard watches)."""
@@ -80,27 +84,34 @@ class InputBuffers:
         Precondition: the previous step's copies have completed (the runner synchronizes when it
         reads the sampled tokens), so the host staging arrays may be overwritten.
         """
-        num_seqs, num_tokens = len(step.seqs), step.num_tokens
+        seqs = step.seqs
+        num_seqs = len(seqs)
         h = self._host_np
-        query_lens = np.fromiter((len(s.token_ids) for s in step.seqs), np.int64, num_seqs)
-        starts = np.fromiter((s.start_position for s in step.seqs), np.int64, num_seqs)
-        h["query_start_loc"][0] = 0
-        np.cumsum(query_lens, out=h["query_start_loc"][1 : num_seqs + 1])
-        cu = h["query_start_loc"][: num_seqs + 1].astype(np.int64)
-        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        positions = starts[seq_of_token] + np.arange(num_tokens) - cu[:-1][seq_of_token]
+        token_ids = [s.token_ids for s in seqs]
+        query_lens = np.fromiter(map(len, token_ids), np.int64, num_seqs)
+        num_tokens = int(query_lens.sum())
+        starts = np.fromiter((s.start_position for s in seqs), np.int64, num_seqs)
         h["input_ids"][:num_tokens] = np.fromiter(
-            (t for s in step.seqs for t in s.token_ids), np.int64, num_tokens
+            itertools.chain.from_iterable(token_ids), np.int64, num_tokens
         )
+        cu = h["query_start_loc"][: num_seqs + 1]
+        cu[0] = 0
+        np.cumsum(query_lens, out=cu[1:])
+        is_decode = bool((query_lens == 1).all())  # then token i is row i's, at its start
+        row_of_token = (
+            np.arange(num_seqs) if is_decode else np.repeat(np.arange(num_seqs), query_lens)
+        )
+        positions = starts
+        if not is_decode:
+            positions = np.arange(num_tokens) + (starts - cu[:-1])[row_of_token]
         h["positions"][:num_tokens] = positions
-        max_blocks = max(len(s.block_table) for s in step.seqs)
+        max_blocks = self._stage_block_tables([s.block_table for s in seqs])
         tables = h["block_tables"]
-        for row, seq in enumerate(step.seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
-        blocks = tables[seq_of_token, positions // self.block_size].astype(np.int64)
+        blocks = tables[row_of_token, positions // self.block_size].astype(np.int64)
         h["slot_mapping"][:num_tokens] = blocks * self.block_size + positions % self.block_size
-        h["seq_lens"][:num_seqs] = starts + query_lens
-        h["logits_indices"][:num_seqs] = cu[1:] - 1
+        seq_lens = starts + query_lens
+        h["seq_lens"][:num_seqs] = seq_lens
+        np.subtract(cu[1:], 1, out=h["logits_indices"][:num_seqs])
         rows, width = num_seqs, max_blocks
         if pad_to is not None and pad_to > num_seqs:
             if num_tokens != num_seqs:
@@ -123,11 +134,28 @@ class InputBuffers:
             seq_lens=self.seq_lens[:rows],
             query_start_loc=self.query_start_loc[: rows + 1],
             max_query_len=int(query_lens.max()),
-            max_seq_len=int((starts + query_lens).max()),
+            max_seq_len=int(seq_lens.max()),
         )
+
+    def _stage_block_tables(self, block_tables: list[tuple[int, ...]]) -> int:
+        """Writes each row's block table into the host staging table; returns the widest.
+
+        A row whose staged table equals its new one is not written again (a decode row's
+        table changes once every ``block_size`` steps): ``_staged_tables[row]`` is exactly
+        what the host row holds in its first ``len`` entries, or None when unknown. Compared
+        by value, so a new tuple of the same blocks (every step's) is a hit, and any change
+        of a row's blocks, or another sequence in that row, is written.
+        """
+        tables, staged = self._host_np["block_tables"], self._staged_tables
+        for row, table in enumerate(block_tables):
+            if staged[row] != table:
+                tables[row, : len(table)] = table
+                staged[row] = tuple(table)  # a copy if it was a list its owner may change
+        return max(map(len, block_tables))
 
     def _stage_padding(self, start: int, stop: int) -> None:
         h = self._host_np
+        self._staged_tables[start:stop] = [None] * (stop - start)
         h["input_ids"][start:stop] = 0
         h["positions"][start:stop] = 0
         h["slot_mapping"][start:stop] = self.null_block * self.block_size

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from dormant.core.step_input import SeqInput
 
+Int64s = TypeVar("Int64s", torch.Tensor, np.ndarray)  # int64 values: on a device or the host
 _MASK_32 = 0xFFFFFFFF
 _MASK_64 = (1 << 64) - 1
 # The "lowbias32" mixer of Wellons' hash-prospector, [16 21f0aaad 15 735a2d97 15]: a strong
@@ -29,12 +32,13 @@ _MIX_SHIFTS = (16, 15, 15)
 _NUM_UNIFORM_BITS = 23
 # Distinct salts give the two per-row keys independent hashes of (seed, step).
 _KEY_SALTS = (0x9E3779B9, 0x7F4A7C15)
-# Rows of the packed int64 host buffer; _FLOAT_ROWS hold temperatures, top_ps, then min_ps as
-# float32 (two float32 per int64 entry).
-_SEED_ROW, _STEP_ROW, _TOP_K_ROW, _GREEDY_ROW = range(4)
-_KEY_ROWS = slice(4, 6)
-_FLOAT_ROWS = slice(6, 8)
-_NUM_PACKED_ROWS = 8
+# Rows of the packed int64 host buffer. _FLOAT_ROWS hold four float32 per column (two per
+# int64 entry): temperatures, top_ps, min_ps, then the int32 top_ks (as their bits); the first
+# n bytes of _GREEDY_ROW are the bool flags. Every field is then a view of the one copy.
+_SEED_ROW, _STEP_ROW, _GREEDY_ROW = range(3)
+_KEY_ROWS = slice(3, 5)
+_FLOAT_ROWS = slice(5, 7)
+_NUM_PACKED_ROWS = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,53 +71,50 @@ class SamplingTensors:
     ) -> SamplingTensors:
         """Build the rows for ``seqs`` (one row each, in order) on ``device``.
 
-        The values are packed into one host buffer (pinned for CUDA) and copied with a
-        single ``non_blocking`` transfer.
+        Each parameter is read from the rows once, into a numpy column; the rest (greedy
+        resets, top-k bounds, the noise keys, the flags) is column arithmetic. The values are
+        packed into one host buffer (pinned for CUDA) and copied with a single
+        ``non_blocking`` transfer; every field is a view of that copy.
         """
         device = torch.device(device)
         num_seqs = len(seqs)
-        seeds, steps, top_ks, greedy_flags = [], [], [], []
-        temperatures: list[float] = []
-        top_ps: list[float] = []
-        min_ps: list[float] = []
-        for seq in seqs:
-            params = seq.params
-            seed = seq.seed & _MASK_64
-            seeds.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
-            steps.append(seq.num_output_tokens)
-            greedy = params.is_greedy
-            # top_k None, 0 or -1 all mean "off" (vLLM's callers pass all three).
-            top_k = 0 if greedy or params.top_k is None else params.top_k
-            top_ks.append(vocab_size if top_k <= 0 else min(top_k, vocab_size))
-            greedy_flags.append(greedy)
-            temperatures.append(1.0 if greedy else params.temperature)
-            top_ps.append(1.0 if greedy else params.top_p)
-            min_ps.append(0.0 if greedy else params.min_p)
+        params = [seq.params for seq in seqs]
+        greedy = np.fromiter((p.is_greedy for p in params), np.bool_, num_seqs)
+        # top_k None, 0 or -1 all mean "off" (vLLM's callers pass all three).
+        top_ks = np.fromiter((p.top_k or 0 for p in params), np.int64, num_seqs)
+        top_ks[greedy | (top_ks <= 0)] = vocab_size
+        np.minimum(top_ks, vocab_size, out=top_ks)
+        # float64 columns, as the parameters are: the flags compare these, the rows get float32.
+        temperatures = np.fromiter((p.temperature for p in params), np.float64, num_seqs)
+        top_ps = np.fromiter((p.top_p for p in params), np.float64, num_seqs)
+        min_ps = np.fromiter((p.min_p for p in params), np.float64, num_seqs)
+        temperatures[greedy], top_ps[greedy], min_ps[greedy] = 1.0, 1.0, 0.0
         packed = torch.empty(
             (_NUM_PACKED_ROWS, num_seqs), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
-        int_rows = [seeds, steps, top_ks, greedy_flags]
-        packed[: len(int_rows)] = torch.tensor(int_rows, dtype=torch.int64)
-        packed[_KEY_ROWS] = noise_keys(packed[_SEED_ROW], packed[_STEP_ROW])
-        floats = packed[_FLOAT_ROWS].view(-1).view(torch.float32)
-        floats[: 3 * num_seqs] = torch.tensor([*temperatures, *top_ps, *min_ps])
-        is_all_greedy = all(greedy_flags)
-        is_any_filtered = any(
-            top_k < vocab_size or top_p < 1.0 or min_p > 0.0
-            for top_k, top_p, min_p in zip(top_ks, top_ps, min_ps, strict=True)
-        )
+        host = packed.numpy()
+        host[_SEED_ROW] = np.fromiter(
+            (seq.seed & _MASK_64 for seq in seqs), np.uint64, num_seqs
+        ).view(np.int64)
+        host[_STEP_ROW] = np.fromiter((seq.num_output_tokens for seq in seqs), np.int64, num_seqs)
+        host[_GREEDY_ROW].view(np.bool_)[:num_seqs] = greedy
+        host[_KEY_ROWS] = noise_keys(host[_SEED_ROW], host[_STEP_ROW])
+        floats = host[_FLOAT_ROWS].reshape(-1).view(np.float32)
+        floats[: 3 * num_seqs] = np.concatenate([temperatures, top_ps, min_ps])
+        floats[3 * num_seqs :].view(np.int32)[:] = top_ks
+        is_any_filtered = bool(((top_ks < vocab_size) | (top_ps < 1.0) | (min_ps > 0.0)).any())
         on_device = packed.to(device, non_blocking=True)
         device_floats = on_device[_FLOAT_ROWS].reshape(-1).view(torch.float32)
         return cls(
             temperatures=device_floats[:num_seqs],
-            top_ks=on_device[_TOP_K_ROW].to(torch.int32),
+            top_ks=device_floats[3 * num_seqs :].view(torch.int32),
             top_ps=device_floats[num_seqs : 2 * num_seqs],
             min_ps=device_floats[2 * num_seqs : 3 * num_seqs],
             seeds=on_device[_SEED_ROW],
             steps=on_device[_STEP_ROW],
-            is_greedy=on_device[_GREEDY_ROW].bool(),
+            is_greedy=on_device[_GREEDY_ROW].view(torch.bool)[:num_seqs],
             noise_keys=on_device[_KEY_ROWS],
-            is_all_greedy=is_all_greedy,
+            is_all_greedy=bool(greedy.all()),
             is_any_filtered=is_any_filtered,
         )
 
@@ -217,29 +218,35 @@ def uniform_noise(
     return bits.to(torch.float32).add_(0.5).mul_(2.0**-_NUM_UNIFORM_BITS)
 
 
-def noise_keys(
-    seeds: torch.Tensor, steps: torch.Tensor, salts: tuple[int, int] = _KEY_SALTS
-) -> torch.Tensor:
+def noise_keys(seeds: Int64s, steps: Int64s, salts: tuple[int, int] = _KEY_SALTS) -> Int64s:
     """Two 32-bit keys per row (int64 [2, n]), each hashing all 128 bits of ``(seed, step)``.
 
+    ``seeds`` and ``steps`` are int64 tensors, or numpy arrays (the sampler hashes on the
+    host, where the columns are): the same operators give the same keys, as the same type.
     ``salts`` (two 32-bit words) select an independent family of keys: the sampler's are the
     default; other users of the noise (speculative decoding) pass their own, so their draws
     are independent of the sampler's at the same ``(seed, step)``.
     """
-    keys = torch.stack([torch.full_like(seeds, salt) for salt in salts])
+    if isinstance(seeds, np.ndarray):
+        keys: Int64s = np.array(salts, np.int64)[:, None].repeat(seeds.shape[0], axis=1)
+    else:
+        keys = torch.stack([torch.full_like(seeds, salt) for salt in salts])
     for value in (seeds, steps):
         keys = _mix32(keys ^ (value & _MASK_32))
         keys = _mix32(keys ^ ((value >> 32) & _MASK_32))
     return keys
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit mix of ``x`` (int64 values in [0, 2**32)); returns a new tensor."""
+def _mix32(x: Int64s) -> Int64s:
+    """A bijective 32-bit mix of ``x`` (int64 values in [0, 2**32), a tensor or a numpy
+    array); returns a new one."""
     first_shift, second_shift, third_shift = _MIX_SHIFTS
     first_multiplier, second_multiplier = _MIX_MULTIPLIERS
     x = x ^ (x >> first_shift)
-    x.mul_(first_multiplier).bitwise_and_(_MASK_32)
+    x *= first_multiplier
+    x &= _MASK_32
     x ^= x >> second_shift
-    x.mul_(second_multiplier).bitwise_and_(_MASK_32)
+    x *= second_multiplier
+    x &= _MASK_32
     x ^= x >> third_shift
     return x
