@@ -2,9 +2,9 @@
 
 Two levels, at each batch size (1, 64, 128 by default), on a 1-layer tiny Qwen3 (fp32):
 
-- **worker**: ``worker.execute(step)`` of a decode step, each step advanced by the tokens it
-  sampled (``SeqInput.advanced``), as the engine sends them: input buffers, the sampler's
-  per-step tensors, sampling, the host copy and the step output;
+- **worker**: ``worker.execute(step)`` of a decode step, advanced after each step as the engine
+  sends them (each row its own params, a fresh block-table tuple covering its positions): input
+  buffers, the sampler's per-step tensors, sampling, the host copy and the step output;
 - **engine**: ``LLMEngine.step()`` with that many running requests (``temperature=1.0``,
   ``logprobs=0``, ``ignore_eos``, detokenized by the byte tokenizer): schedule, step input,
   execute, postprocess, logprobs and outputs.
@@ -12,11 +12,13 @@ Two levels, at each batch size (1, 64, 128 by default), on a 1-layer tiny Qwen3 
 By default the forward is a stub (the token embedding only, see ``ForwardTimer``);
 ``--forward model`` runs the real 1-layer model. Either way the forward (``model.forward`` and
 ``model.compute_logits``) is timed around and subtracted from each step's time, so what is
-left is host work (on the CPU the sampler's tensor ops run inline too: they are small at this
-vocabulary). Times are the thread's CPU time (``time.thread_time``), not wall time: the host
-path is one thread, and CPU time does not count the moments another process held the core,
-so figures from a busy machine still compare. Prints one JSON line per measurement (median,
-min, max over the timed steps) and a table.
+left is host work. On the CPU the sampler's tensor ops run inline too; the vocabulary is 264,
+just past the byte tokenizer's 258 ids, so they stay small.
+
+Times are the thread's CPU time (``time.thread_time``), not wall time: the host path is one
+thread, and CPU time leaves out the moments another process held the core, so figures from a
+busy machine still compare. Prints one JSON line per measurement (median, min, max over the
+timed steps) and a table.
 
 Usage: python benchmarks/host_overhead.py [--batch-sizes 1 64 128] [--context 1024]
        [--steps 40] [--level worker|engine|both] [--profile] [--out results.jsonl]
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import statistics
 import sys
@@ -42,10 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import Recorder, table
 from dormant import LLM, SamplingParams
 from dormant.core.step_input import SeqInput, StepInput
+from dormant.core.step_output import StepOutput
 from dormant.models import ModelConfig
 
 TINY_QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 264, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
@@ -84,15 +88,22 @@ class ForwardTimer:
         return timed
 
 
-def host_times(run: Callable[[], Any], timer: ForwardTimer, num_steps: int) -> list[float]:
-    """Per step: the thread's CPU time minus the forward's, in seconds."""
+def host_times(
+    run: Callable[[], Any],
+    timer: ForwardTimer,
+    num_steps: int,
+    after: Callable[[Any], None] = lambda _: None,
+) -> list[float]:
+    """Per step: the thread's CPU time of ``run()`` minus the forward's, in seconds.
+    ``after`` gets each result, untimed (the benchmark's own bookkeeping)."""
     times = []
     for _ in range(num_steps):
         before = timer.seconds
         start = time.thread_time()
-        run()
+        result = run()
         step_seconds = time.thread_time() - start
         times.append(step_seconds - (timer.seconds - before))
+        after(result)
     return times
 
 
@@ -111,35 +122,45 @@ def make_llm(batch_size: int, context: int, num_steps: int) -> LLM:
 def worker_case(
     batch_size: int, context: int, num_steps: int, stub: bool, profile: bool
 ) -> list[float]:
+    """Decode steps as the engine sends them: each row has its own params (the engine clones
+    them per request), a fresh block-table tuple covering its positions, one token."""
     llm = make_llm(batch_size, context, num_steps)
     worker = llm.llm_engine.executor.worker  # type: ignore[attr-defined]
     timer = ForwardTimer(worker.runner.model, stub)
     block_size = llm.llm_engine.config.block_size
-    total = WARMUP_STEPS + num_steps
-    blocks_per_seq = -(-(context + total + 1) // block_size)
+    blocks_per_seq = -(-(context + WARMUP_STEPS + num_steps + 1) // block_size)
     params = SamplingParams(temperature=1.0, logprobs=0, ignore_eos=True)
-    seqs = tuple(
-        SeqInput(
-            token_ids=(11,),
-            start_position=context,
-            block_table=tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-            params=params,
-            seed=1000 + i,
-            num_output_tokens=1,
-        )
+    blocks = [range(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(batch_size)]
+    seqs = [
+        SeqInput((11,), context, (), params.clone(), seed=1000 + i, num_output_tokens=1)
         for i in range(batch_size)
-    )
-    state = {"seqs": seqs}
+    ]
 
-    def run() -> None:
-        output = worker.execute(StepInput(state["seqs"], is_prefill=False))
-        state["seqs"] = tuple(
-            s.advanced(o.token_ids[0]) for s, o in zip(state["seqs"], output.seqs, strict=True)
+    def step_input() -> StepInput:
+        rows = (
+            dataclasses.replace(s, block_table=tuple(b[: s.start_position // block_size + 1]))
+            for s, b in zip(seqs, blocks, strict=True)
         )
+        return StepInput(tuple(rows), is_prefill=False)
+
+    state = {"step": step_input()}
+
+    def advance(output: StepOutput) -> None:
+        for i, (seq, row) in enumerate(zip(seqs, output.seqs, strict=True)):
+            seqs[i] = dataclasses.replace(
+                seq,
+                token_ids=row.token_ids,
+                start_position=seq.start_position + 1,
+                num_output_tokens=seq.num_output_tokens + 1,
+            )
+        state["step"] = step_input()
+
+    def run() -> StepOutput:
+        return worker.execute(state["step"])
 
     for _ in range(WARMUP_STEPS):
-        run()
-    times = _maybe_profiled(profile, lambda: host_times(run, timer, num_steps))
+        advance(run())
+    times = _maybe_profiled(profile, lambda: host_times(run, timer, num_steps, advance))
     llm.llm_engine.shutdown()
     return times
 
@@ -152,7 +173,7 @@ def engine_case(
     timer = ForwardTimer(engine.executor.worker.runner.model, stub)  # type: ignore[attr-defined]
     max_tokens = engine.config.max_model_len - context  # past the steps of every prefill
     for i in range(batch_size):
-        prompt = [(7 * i + 13 * j) % 500 + 3 for j in range(context)]
+        prompt = [(7 * i + 13 * j) % 250 + 3 for j in range(context)]
         params = SamplingParams(
             temperature=1.0, logprobs=0, ignore_eos=True, max_tokens=max_tokens, seed=i
         )
