@@ -26,6 +26,14 @@ each row's ``draft_prefix_token_ids`` then ``token_ids``, from position ``draft_
 with ``num_draft_tokens = j > 0`` has one token (its newest); the worker drafts ``j`` tokens
 after it, the target computes ``[newest, d_1 .. d_j]`` at ``start_position ..``, and the row
 emits ``1 .. j + 1`` tokens. Its block table covers those ``j + 1`` positions.
+
+Forks (the ``n`` samples of a request, ``engine/forks.py``): a *fork row* has ``fork_of = r``
+and no tokens. It computes nothing and samples its first token from the logits of row ``r``
+(its leader, which computes the prompt's last token in this step), with its own parameters,
+seed and output position: exactly what it would sample had it computed the prompt itself.
+``block_copies`` are ``(source, destination)`` KV blocks (a leader's partial last block into a
+fork row's own): every rank copies them, in every KV cache indexed by the block tables (the
+target's and a draft's), right after the step's forward and before the next step's.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ class SeqInput:
         num_draft_tokens: speculative decoding's drafts for this row (see the module).
         draft_prefix_token_ids: the tokens before ``start_position`` whose draft KV is
             missing (the draft computes them first).
+        fork_of: a fork row's leader (a row of the same step, not a fork row); None for a
+            row that computes its tokens (see the module).
     """
 
     token_ids: tuple[int, ...]
@@ -70,6 +80,7 @@ class SeqInput:
     compute_prompt_logprobs: bool = False
     num_draft_tokens: int = 0
     draft_prefix_token_ids: tuple[int, ...] = ()
+    fork_of: int | None = None
 
     @property
     def draft_start(self) -> int:
@@ -105,7 +116,20 @@ class SeqInput:
 class StepInput:
     seqs: tuple[SeqInput, ...]
     is_prefill: bool
+    block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks
+    has_forks: bool = False  # some row is a fork row (a flag, so a step need not scan rows)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+    def without_forks(self) -> tuple[StepInput, list[int]]:
+        """The step of the rows that compute (fork rows left out, no copies), and for each row
+        of this step the index there of the row whose logits it samples from."""
+        computing = [row for row, s in enumerate(self.seqs) if s.fork_of is None]
+        index = {row: i for i, row in enumerate(computing)}
+        logits_rows = [
+            index[row if s.fork_of is None else s.fork_of] for row, s in enumerate(self.seqs)
+        ]
+        step = StepInput(tuple(self.seqs[row] for row in computing), self.is_prefill)
+        return step, logits_rows

@@ -25,6 +25,9 @@ class SchedulerConfig:
             a step is a prefill of whole sequences or a decode.
         num_speculative_tokens: drafts a decode row may verify per step (speculative
             decoding; 0: off). Requires ``num_decode_steps == 1``.
+        enable_fork: the ``n`` samples of a request fork from one prefill
+            (``engine/forks.py``), when prefix caching is on; off, each sample is prefilled
+            and finds the prompt's full blocks in the prefix cache.
 
     Without chunked prefill a sequence of ``max_model_len`` tokens must fit in one step, so
     ``max_num_batched_tokens >= max_model_len`` is required; a full decode batch must always
@@ -38,6 +41,7 @@ class SchedulerConfig:
     max_multi_step_seqs: int = 1
     enable_chunked_prefill: bool = False
     num_speculative_tokens: int = 0
+    enable_fork: bool = True
 
     def __post_init__(self) -> None:
         names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_decode_steps")
@@ -76,6 +80,12 @@ class ScheduledBatch:
     computes ``num_new_tokens[i] = 1 + j`` positions (its newest token and ``j`` drafts) and
     emits ``1 .. j + 1`` tokens; its blocks cover them all. Every row's draft catches up from
     its sequence's ``num_draft_computed_tokens``.
+
+    Forks (``engine/forks.py``): a fork row computes no position (``num_new_tokens[i] = 0``)
+    and samples its first token from the logits of row ``fork_of[i]``, its leader, which
+    computes its prompt's last token in this step; ``block_copies`` are the KV blocks the
+    workers copy after the step's forward (the leaders' partial last blocks into the fork
+    rows' own).
     """
 
     seqs: tuple[Sequence, ...]
@@ -86,6 +96,8 @@ class ScheduledBatch:
     num_steps: int = 1
     num_draft_tokens: tuple[int, ...] = ()  # per row; () without speculation
     is_speculative: bool = False
+    fork_of: tuple[int | None, ...] = ()  # per row; () when no row is a fork row
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(
@@ -93,10 +105,17 @@ class ScheduledBatch:
         rows: SequenceOf[tuple[Sequence, int]],
         num_steps: int = 1,
         drafts: dict[int, int] | None = None,
+        forks: dict[int, int] | None = None,
+        block_copies: SequenceOf[tuple[int, int]] = (),
     ) -> ScheduledBatch:
         """The batch of ``rows`` (a sequence and its number of new positions, drafts included),
         scheduled now. ``drafts`` (speculative decoding: None when off) maps sequence ids to
-        their rows' draft counts (absent: 0)."""
+        their rows' draft counts (absent: 0); ``forks`` the fork rows' sequence ids to their
+        leaders' (whose rows are in ``rows``)."""
+        fork_of: tuple[int | None, ...] = ()
+        if forks:
+            row_of = {seq.seq_id: row for row, (seq, _) in enumerate(rows)}
+            fork_of = tuple(row_of[forks[s.seq_id]] if s.seq_id in forks else None for s, _ in rows)
         num_drafts = tuple(0 if drafts is None else drafts.get(s.seq_id, 0) for s, _ in rows)
         prefill = [
             n
@@ -112,10 +131,30 @@ class ScheduledBatch:
             num_steps=num_steps,
             num_draft_tokens=num_drafts if drafts is not None else (),
             is_speculative=drafts is not None,
+            fork_of=fork_of,
+            block_copies=tuple(block_copies),
         )
 
     def num_drafts_of(self, row: int) -> int:
         return self.num_draft_tokens[row] if self.num_draft_tokens else 0
+
+    def check_token_ids(self, token_ids: list[list[int]]) -> None:
+        """Raises ``ValueError`` unless every row returned ``num_steps`` tokens, or
+        ``1 .. j + 1`` with ``j`` drafts."""
+        counts = [len(tokens) for tokens in token_ids]
+        expected = [
+            (1, 1 + self.num_drafts_of(row)) if self.num_drafts_of(row) else (self.num_steps,) * 2
+            for row in range(self.num_seqs)
+        ]
+        if len(counts) != self.num_seqs or any(
+            not low <= count <= high for count, (low, high) in zip(counts, expected, strict=True)
+        ):
+            drafts = f" (drafts per row: {list(self.num_draft_tokens)})"
+            raise ValueError(
+                f"got token ids for {len(counts)} sequences with {sorted(set(counts))} steps, "
+                f"for a batch of {self.num_seqs} sequences of {self.num_steps} steps"
+                + (drafts if self.is_speculative else "")
+            )
 
     @property
     def num_seqs(self) -> int:
@@ -128,14 +167,20 @@ class ScheduledBatch:
         with ``stop_token_ids`` until a request has that many outputs, unless ``ignore_eos``.
         Each feature's data is sent only by the requests that use it (``core/step_input.py``).
         """
+        fork_of = self.fork_of or (None,) * self.num_seqs
         seq_inputs = tuple(
-            self._seq_input(seq, n, self.num_drafts_of(row), eos_token_ids)
+            self._seq_input(seq, n, self.num_drafts_of(row), eos_token_ids, fork_of[row])
             for row, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
         )
-        return StepInput(seq_inputs, self.is_prefill)
+        return StepInput(seq_inputs, self.is_prefill, self.block_copies, bool(self.fork_of))
 
     def _seq_input(
-        self, seq: Sequence, num_new: int, num_drafts: int, eos_token_ids: frozenset[int]
+        self,
+        seq: Sequence,
+        num_new: int,
+        num_drafts: int,
+        eos_token_ids: frozenset[int],
+        fork_of: int | None,
     ) -> SeqInput:
         params = seq.params
         start = seq.num_computed_tokens
@@ -171,4 +216,5 @@ class ScheduledBatch:
             ),
             num_draft_tokens=num_drafts,
             draft_prefix_token_ids=draft_prefix,
+            fork_of=fork_of,
         )

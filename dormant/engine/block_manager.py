@@ -4,9 +4,11 @@ full blocks again by the tokens they hold (``engine/prefix_cache.py``).
 A sequence's KV for token position ``p`` lives in block ``block_table[p // block_size]`` at
 offset ``p % block_size``; its flat slot in the cache is ``block_id * block_size + offset``.
 
-A block may be held by several sequences only through a prefix-cache hit, and hashed blocks
-are read-only: a hit covers whole blocks before the block of the sequence's last token, which
-nobody writes again. So no copy-on-write, and no worker command, is ever needed.
+A block may be held by several sequences through a prefix-cache hit or a fork, and a shared
+block is read-only: a hit covers whole blocks before the block of the sequence's last token, a
+fork (``fork``) the leader's full prompt blocks, and nobody writes a position of those again.
+The one copy-on-write is a fork's partial last block: the sibling gets a new block of its own,
+which the workers fill from the leader's after the step's forward (``StepInput.block_copies``).
 
 Invariant (checked by ``check_invariant``): every block id in ``0 .. num_blocks-1`` is exactly
 one of free, evictable (hashed, held by nobody) or held (listed once in the ``block_table`` of
@@ -155,6 +157,46 @@ class BlockManager:
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = len(cached) * self.block_size
         self._take_blocks(seq, self.num_blocks_for(num_tokens) - len(cached))
+
+    def can_fork(self, num_tokens: int) -> bool:
+        """Whether ``fork`` of a prompt of ``num_tokens`` has the block its copy needs."""
+        return num_tokens % self.block_size == 0 or self.num_free_blocks >= 1
+
+    def fork(self, leader: Sequence, sibling: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Give ``sibling`` the KV of ``leader``'s first ``num_tokens`` positions (its prompt,
+        computed in the step being planned): the full blocks shared (one more holder each), the
+        partial last block, if any, as a new block of its own. Returns ``(source,
+        destination)``, the copy the workers make after the step's forward, or None when
+        ``num_tokens`` is a block multiple. The sibling counts the whole prompt as cached (in
+        ``num_cached_tokens`` and the cache's statistics) and publishes only after it.
+
+        Preconditions: ``sibling.block_table`` is empty (else ``AlreadyAllocatedError``), the
+        leader's table covers ``num_tokens`` positions and ``can_fork(num_tokens)`` (else
+        ``OutOfBlocksError``). A failed call changes nothing.
+        """
+        if sibling.block_table:
+            raise AlreadyAllocatedError(
+                f"{sibling!r} already holds blocks {sibling.block_table}; free it before forking"
+            )
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if len(leader.block_table) < num_full + bool(partial):
+            raise BlockOwnershipError(f"{leader!r} holds no KV for {num_tokens} positions")
+        if not self.can_fork(num_tokens):
+            raise OutOfBlocksError(f"no free block for the copy of {leader!r}'s last block")
+        for block_id in leader.block_table[:num_full]:
+            self._holders_by_block_id[block_id].add(sibling.seq_id)
+        sibling.block_table.extend(leader.block_table[:num_full])
+        sibling.block_hashes = leader.block_hashes[:num_full]
+        sibling.num_published_blocks = min(leader.num_published_blocks, num_full)
+        sibling.cache_epoch = leader.cache_epoch
+        if self.prefix_cache is not None:
+            self.prefix_cache.record_lookup(num_tokens, num_tokens)
+        if sibling.num_cached_tokens is None:
+            sibling.num_cached_tokens = num_tokens
+        if not partial:
+            return None
+        self._take_blocks(sibling, 1)
+        return leader.block_table[num_full], sibling.block_table[-1]
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the table of ``seq`` can grow to cover ``num_tokens`` positions."""

@@ -103,14 +103,14 @@ class LLMEngine:
         return make_request_input(prompt, params, self.tokenizer, self._limits)
 
     def add_request_input(self, request: RequestInput) -> int:
-        """Queues a validated request: ``params.n`` sequences, queued together, so that with
-        prefix caching the first computes the prompt's KV and the others hit its full blocks
-        (see ``Scheduler``)."""
+        """Queues a validated request: ``params.n`` sequences. With prefix caching the first
+        computes the prompt's KV and the others fork from it (``engine/forks.py``: they
+        compute none of the prompt), or, where they cannot, hit its full blocks."""
         params, token_ids = request.params, request.prompt_token_ids
         seqs = [self._sequences.create(token_ids, params, index) for index in range(params.n)]
         first = seqs[0]
         for seq in seqs:  # the first add raises (queuing nothing) if the prompt cannot fit
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, fork_of=None if seq is first else first)
         self.outputs.add(first.seq_id, request.prompt, token_ids, params, seqs)
         return first.seq_id
 

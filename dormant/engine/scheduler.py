@@ -1,13 +1,15 @@
 """Continuous batching, with chunked prefill mixed into decode steps (vLLM V1's scheduling) or,
 with ``enable_chunked_prefill`` off, steps that are either a prefill or a decode.
 
-Sequences move between two queues:
+Sequences move between two queues, and the siblings of a request wait on its leader:
 
 | queue     | status  | holds blocks | KV computed                                            |
 |-----------|---------|--------------|--------------------------------------------------------|
 | `waiting` | WAITING | no           | none (num_computed = 0)                                |
 | `running` | RUNNING | yes          | positions ``0 .. num_computed_tokens-1``: all but the   |
 |           |         |              | newest token (decoding), or a prompt's first chunks     |
+| forks     | WAITING | no           | none: samples ``1 .. n-1`` of a request, until sample 0 |
+|           |         |              | computes its prompt's last token (``engine/forks.py``) |
 
 A step with chunked prefill, under ``max_num_batched_tokens``:
     1. every running sequence, in order: a decode computes its newest token; one still
@@ -25,8 +27,17 @@ Every row's full blocks are published to the prefix cache once the row is final 
 (``BlockManager.publish``), so a later row of the same step, such as another sample of the same
 prompt, hits them.
 
+Once a step's rows are final, each leader among them that computes its prompt's last token
+forks its waiting siblings (``Forks.plan``): fork rows that compute nothing, sample from the
+leader's logits and share its prompt's blocks. THE COPY INVARIANT: a fork's partial last block
+is a new block of the sibling's, listed in the step's ``block_copies``; every rank copies it
+from the leader's block after that step's forward (which wrote it) and before the next step's
+(which writes the sibling's next position into it), in every KV cache the block tables index.
+A step that fails before its copies ran is discarded by ``preempt_all``, forked rows included.
+
 Invariants between calls:
-    - every unfinished sequence added is in exactly one queue; finished ones in none;
+    - every unfinished sequence added is in exactly one queue (or waits on its leader in
+      ``Forks``); finished ones in none;
     - ``len(running) <= config.max_num_seqs``;
     - only running sequences hold blocks (see ``BlockManager``);
     - at most one batch is in flight: ``schedule`` hands it out, ``postprocess_steps`` takes it
@@ -47,6 +58,7 @@ from collections.abc import Sequence as SequenceOf
 from dormant.engine import stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
+from dormant.engine.forks import Forks
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
 from dormant.engine.step_planner import StepPlanner
 from dormant.errors import EngineError
@@ -86,13 +98,15 @@ class Scheduler:
         self._running: deque[Sequence] = deque()
         self._unfinished_by_id: dict[int, Sequence] = {}
         self._batch_in_flight: ScheduledBatch | None = None
+        self._forks = Forks(config, block_manager, self._waiting, self._running)
         self._planner = StepPlanner(
-            config, block_manager, self._waiting, self._running, self._preempt
+            config, block_manager, self._waiting, self._running, self._preempt, self._forks
         )
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Waiting sequences, siblings waiting on their leaders included."""
+        return len(self._waiting) + self._forks.num_waiting
 
     @property
     def num_running(self) -> int:
@@ -106,8 +120,10 @@ class Scheduler:
         """The unfinished sequence with this id, or None (unknown, or finished)."""
         return self._unfinished_by_id.get(seq_id)
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new WAITING sequence at the back of `waiting`.
+    def add(self, seq: Sequence, fork_of: Sequence | None = None) -> None:
+        """Queue a new WAITING sequence at the back of `waiting`, or, given ``fork_of`` (the
+        unfinished sample 0 of its request, added before it, of the same prompt), to fork from
+        it when it can (``Forks.can_wait``; else at the back of `waiting`).
 
         Raises ``RequestTooLongError`` if its prompt exceeds ``max_model_len``, it could not
         run to completion even with the whole cache, or it asks for prompt logprobs (which are
@@ -140,7 +156,14 @@ class Scheduler:
                 f"step, but its {seq.num_tokens} prompt tokens exceed max_num_batched_tokens="
                 f"{config.max_num_batched_tokens}; raise it or shorten the prompt"
             )
-        self._waiting.append(seq)
+        if (
+            fork_of is not None
+            and self._unfinished_by_id.get(fork_of.seq_id) is fork_of
+            and self._forks.can_wait(fork_of, seq)
+        ):
+            self._forks.add(fork_of, seq)
+        else:
+            self._waiting.append(seq)
         self._unfinished_by_id[seq.seq_id] = seq
 
     def schedule(self) -> ScheduledBatch | None:
@@ -191,7 +214,7 @@ class Scheduler:
                 "this batch is not in flight: it was postprocessed already, or preempt_all "
                 "discarded it (its sequences will recompute)"
             )
-        _check_shape(batch, token_ids)
+        batch.check_token_ids(token_ids)
         self._batch_in_flight = None
         finished: list[Sequence] = []
         rows = zip(batch.seqs, batch.num_new_tokens, token_ids, strict=True)
@@ -264,10 +287,13 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        """Frees ``seq`` (removed from `running` by the caller) and puts it at the front of
+        `waiting`; siblings still waiting to fork from it are queued right behind it."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_draft_computed_tokens = 0
+        self._waiting.extendleft(reversed(self._forks.release(seq)))
         self._waiting.appendleft(seq)
 
     def _finish(
@@ -276,23 +302,8 @@ class Scheduler:
         seq.finish(reason, stop_reason)
         self.block_manager.free(seq)
         del self._unfinished_by_id[seq.seq_id]
-
-
-def _check_shape(batch: ScheduledBatch, token_ids: list[list[int]]) -> None:
-    """Every row returned ``num_steps`` tokens, or ``1 .. j + 1`` with ``j`` drafts."""
-    counts = [len(tokens) for tokens in token_ids]
-    expected = [
-        (1, 1 + batch.num_drafts_of(row)) if batch.num_drafts_of(row) else (batch.num_steps,) * 2
-        for row in range(batch.num_seqs)
-    ]
-    if len(counts) != batch.num_seqs or any(
-        not low <= count <= high for count, (low, high) in zip(counts, expected, strict=True)
-    ):
-        raise ValueError(
-            f"got token ids for {len(counts)} sequences with {sorted(set(counts))} steps, "
-            f"for a batch of {batch.num_seqs} sequences of {batch.num_steps} steps"
-            + (f" (drafts per row: {list(batch.num_draft_tokens)})" if batch.is_speculative else "")
-        )
+        self._forks.discard(seq)  # a sibling aborted while waiting to fork
+        self._waiting.extendleft(reversed(self._forks.release(seq)))  # a leader aborted
 
 
 def _drop_finished(queue: deque[Sequence]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dormant.engine import speculation, stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
+from dormant.engine.forks import Forks
 from dormant.engine.sequence import Sequence, SequenceStatus
 
 Row = tuple[Sequence, int]  # a sequence and how many positions it computes in the step
@@ -33,9 +34,11 @@ class StepPlanner:
         waiting: deque[Sequence],
         running: deque[Sequence],
         preempt: Callable[[Sequence], None],
+        forks: Forks,
     ) -> None:
         self.config, self.block_manager = config, block_manager
         self.waiting, self.running, self.preempt = waiting, running, preempt
+        self.forks = forks
         # This plan's draft counts by sequence id; None without speculative decoding.
         self.drafts: dict[int, int] | None = None
 
@@ -59,9 +62,12 @@ class StepPlanner:
             rows += self._schedule_waiting(budget, may_chunk=True)
         if not rows:
             return None
-        if self.drafts is None and all(_is_decode(seq, num_new) for seq, num_new in rows):
+        # The rows are final: the leaders among them that compute their prompts' last tokens
+        # fork their siblings (``engine/forks.py``).
+        fork_rows, leaders, copies = self.forks.plan(rows)
+        if not fork_rows and self.drafts is None and all(_is_decode(s, n) for s, n in rows):
             return self._decode_batch([seq for seq, _ in rows])
-        return ScheduledBatch.of(rows, drafts=self.drafts)
+        return ScheduledBatch.of(rows + fork_rows, 1, self.drafts, leaders, copies)
 
     def _schedule_running(self, budget: int) -> tuple[list[Row], int]:
         """Step 1 of a mixed step: the running sequences' rows, and how many were preempted."""
@@ -141,7 +147,10 @@ class StepPlanner:
     def plan_prefill(self) -> ScheduledBatch | None:
         self._start_plan()
         rows = self._schedule_waiting(self.config.max_num_batched_tokens, may_chunk=False)
-        return ScheduledBatch.of(rows, drafts=self.drafts) if rows else None
+        if not rows:
+            return None
+        fork_rows, leaders, copies = self.forks.plan(rows)  # rows are final
+        return ScheduledBatch.of(rows + fork_rows, 1, self.drafts, leaders, copies)
 
     def plan_decode(self) -> ScheduledBatch | None:
         self._start_plan()

@@ -11,6 +11,10 @@ step ends in one event-guarded device-to-host copy of its tokens and logprobs to
 Sampling after the logits, in vLLM's order (``worker/sampler.py``, ``worker/penalties.py``):
 raw logprobs → bad words, ``min_tokens``, penalties → greedy argmax, or temperature, min-p,
 top-k, top-p and a seeded draw → processed logprobs → gather the sampled token's and the top-k.
+
+A step with fork rows (``StepInput.has_forks``) runs eagerly: the forward computes the other
+rows, its ``block_copies`` follow it, and each fork row samples from its leader's logits row
+(one gather), with its own parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dormant.core.step_output import SeqOutput, StepOutput
 from dormant.layers.context import forward_context
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM
+from dormant.worker.block_copy import BlockCopier
 from dormant.worker.cuda_graphs import DecodeGraphs
 from dormant.worker.input_buffers import InputBuffers, Staging
 from dormant.worker.logprobs import (
@@ -68,6 +73,10 @@ class ModelRunner:
         self._penalty_staging = Staging(self.device)
         self._prompt_staging = Staging(self.device)
         self._host_copy = HostCopy(self.device)
+        self._fork_staging = Staging(self.device)
+        self.block_copier = BlockCopier(self.device)  # a draft registers its caches too
+        layers = model.attention_layers()
+        self.block_copier.register(lambda: [(layer.checked_cache(), 1) for layer in layers])
 
     def capture_graphs(self) -> None:
         """Captures the decode graphs once (GPU only); they are never recaptured."""
@@ -87,7 +96,9 @@ class ModelRunner:
         prompt logprobs of first prefills that ask. One device-to-host copy."""
         num_seqs = len(step.seqs)
         graphs = None if self.is_logits_patched else self.graphs
-        padded = None if step.is_prefill or graphs is None else graphs.padded_size(num_seqs)
+        padded = None
+        if graphs is not None and not (step.is_prefill or step.has_forks):
+            padded = graphs.padded_size(num_seqs)
         prompt = None
         if padded is not None:
             self.inputs.load(step, pad_to=padded)
@@ -96,6 +107,7 @@ class ModelRunner:
             logits = captured.output[:num_seqs]
         else:
             logits, prompt = self._eager(step)
+        self.block_copier.copy(step.block_copies)
         tokens, logprobs = self._sample(logits, step.seqs)
         parts = [tokens, *(p for p in (logprobs, prompt) if p is not None)]
         self._host_copy.start(parts)
@@ -195,16 +207,20 @@ class ModelRunner:
         return tokens, packed_logprobs(values, tokens, num_top, mode)
 
     def _eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits of each sequence's last position, and packed prompt logprobs of the rows
-        that ask for them (None when none does)."""
-        meta = self.inputs.load(step)
-        num_tokens, num_seqs = step.num_tokens, len(step.seqs)
+        """The logits of each sequence's last position (a fork row's: its leader's), and packed
+        prompt logprobs of the rows that ask for them (None when none does)."""
+        computing, logits_rows = step.without_forks() if step.has_forks else (step, None)
+        meta = self.inputs.load(computing)
+        num_tokens, num_seqs = computing.num_tokens, len(computing.seqs)
         with forward_context(meta):
             hidden = self.model(
                 self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens]
             )
         logits = self.model.compute_logits(hidden[self.inputs.logits_indices[:num_seqs]])
-        return logits, self._prompt_logprobs(step.seqs, hidden)
+        if logits_rows is not None:
+            (rows,), _ = self._fork_staging.stage([np.asarray(logits_rows, np.int64)])
+            logits = logits[rows]
+        return logits, self._prompt_logprobs(computing.seqs, hidden)
 
     def _prompt_logprobs(
         self, seqs: SequenceOf[SeqInput], hidden: torch.Tensor

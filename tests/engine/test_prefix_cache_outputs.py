@@ -48,18 +48,20 @@ def test_hits_equal_misses(make_llm, checkpoint: Path, params: SamplingParams) -
             assert row == pytest.approx(want, abs=1e-4)
 
 
-def test_n_samples_hit_the_first_samples_blocks(make_llm, checkpoint: Path) -> None:
+def test_n_samples_share_the_first_samples_blocks(make_llm, checkpoint: Path) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
     off = make_llm(str(checkpoint), block_size=4, enable_prefix_caching=False)
-    on = make_llm(str(checkpoint), block_size=4)
+    on = make_llm(str(checkpoint), block_size=4, max_num_seqs=16)
     expected = [[c.token_ids for c in o.outputs] for o in off.generate(PROMPTS[:3], params)]
     outputs = on.generate(PROMPTS[:3], params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
-    assert [o.num_cached_tokens for o in outputs] == [20, 16, 24]
+    # Samples 1-3 fork from sample 0 (engine/forks.py): their whole prompt counts as cached
+    assert [o.num_cached_tokens for o in outputs] == [24, 20, 26]
     stats = on.memory_status()[0].prefix_cache
-    # 3 prompts x 4 samples looked up: BASE's first sample misses; the other prompts hit BASE
+    # 3 prompts x 4 samples looked up: BASE's first sample misses, the other prompts' first
+    # samples hit BASE's blocks, and every fork hits its whole prompt
     assert stats.num_query_tokens == 4 * (24 + 20 + 26)
-    assert stats.num_hit_tokens == 3 * 20 + 4 * 16 + 4 * 24
+    assert stats.num_hit_tokens == 16 + 24 + 3 * (24 + 20 + 26)
 
 
 def test_eviction_under_pressure_keeps_outputs_equal(make_llm, checkpoint: Path) -> None:

@@ -166,8 +166,8 @@ def test_n_samples_share_the_prompt_kv(make_llm, checkpoint: Path) -> None:
     counts = count_prefilled_tokens(llm)
     params = SamplingParams(n=4, temperature=0.9, seed=7, max_tokens=6, ignore_eos=True)
     output = llm.generate([prompt], params, use_tqdm=False)[0]
-    # Sample 0 computes the prompt; each other sample only its last block (4 positions).
-    assert sum(counts) == 20 + 3 * 4
+    # Sample 0 computes the prompt; the others fork from it and compute none of it.
+    assert sum(counts) == 20
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     # Each sample equals a request of its own seeded with seed + index (vLLM's child seeds).
     for index, completion in enumerate(output.outputs):
