@@ -6,10 +6,11 @@ chains the hash of the block before it with its own token ids (SHA-256), so bloc
 sequences hashes the same exactly when their first ``(j + 1) * block_size`` tokens are equal.
 A sequence *publishes* a full block when the step that computes the block's last position is
 scheduled; a sequence prefilled later whose leading blocks hash the same *hits* them: it holds
-them too and computes only what follows. The ``n`` samples of a request are no special case:
-the first publishes its prompt's blocks, the others hit them (in the same step: every layer
+them too and computes only what follows, also in the step that computes them (every layer
 writes the step's keys and values before any row attends, so a row may read blocks another row
-of the step computes).
+of the step computes). The ``n`` samples of a request do better: samples ``1 .. n-1`` fork from
+sample 0 (``engine/forks.py``) and compute none of the prompt; where they cannot fork, they hit
+its blocks as any sequence does.
 
 Sharing is read-only. A hit never covers the block of a sequence's last token (it must compute
 that token to sample), so nobody writes a position of a hashed block again.
