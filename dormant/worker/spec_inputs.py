@@ -25,6 +25,22 @@ A draft with ``lag = 1`` (MTP) computes position ``p`` from the target's hidden 
 the token at ``p + 1``: its catch-up covers ``draft_start .. start_position - 1`` (positions the
 target computed in earlier steps, whose hidden states are cached), with the tokens one further;
 rows with nothing there are left out of it; its ``i``-th chained pass is at ``start + i - 1``.
+
+**Padded MTP drafting** (``pad_to = K`` with ``lag = 1``, and every row's catch-up at most
+``W = K + 1`` positions, as in every decode step but a prompt's first): the passes take the
+static shapes that ``mtp_decoder.py`` replays from graphs, and the eager path computes the same.
+
+| pass      | rows      | row ``r``                                                          |
+|-----------|-----------|--------------------------------------------------------------------|
+| catch-up  | every row | ``W`` positions from ``draft_start``: its ``L`` real ones, then     |
+|           |           | ``W - L`` padding positions (token 0, ``catch_up_valid`` 0)         |
+| chained i | every row | ``start + i - 1``, whatever its ``j`` (past it: padding drafts,    |
+|           |           | cut by the verification)                                           |
+
+Both use the verification's block tables, extended with the null block to cover ``start + K``.
+Padding positions write draft KV past the row's exact positions (MTP's ``draft_computed`` is
+``start``), which the next step's catch-up writes again before anything reads it. Padding reads
+a previous hidden state of 0, not the hidden cache's stale entry (NaN after a poisoned wake).
 """
 
 from __future__ import annotations
@@ -125,6 +141,13 @@ class SpecLayout:
     # The padded verification (``pad_to = K``): every row computes K + 1 positions
     verify: PassLayout | None = None
     verify_first_ids: np.ndarray | None = None  # each row's newest token
+    # Padded MTP drafting (see the module): 1 where a catch-up position is real, [n * (K + 1)]
+    catch_up_valid: np.ndarray | None = None
+
+    @property
+    def is_padded_draft(self) -> bool:
+        """Whether the draft's passes have padded MTP drafting's static shapes."""
+        return self.catch_up_valid is not None
 
     @classmethod
     def of(
@@ -149,29 +172,53 @@ class SpecLayout:
         members = [r for r, ids in enumerate(draft_ids) if ids]
         lengths = np.fromiter((len(draft_ids[r]) for r in members), np.int64, len(members))
         starts = np.fromiter((seqs[r].draft_start for r in members), np.int64, len(members))
-        catch_up = None
-        if members:
-            catch_up = PassLayout.of(starts, lengths, [tables[r] for r in members], block_size)
-        pass_row = {row: n for n, row in enumerate(members)}
+        width = k_max + 1
+        extended = None  # the verification's tables, covering start + K
+        if pad_to is not None:
+            extended = [
+                (*s.block_table, *(null_block,) * (-(-(s.start_position + width) // block_size)
+                                                    - len(s.block_table)))
+                for s in seqs
+            ]  # fmt: skip
+        catch_up, catch_up_valid = None, None
         catch_up_last = np.zeros(0, np.int64)
-        if spec_rows:
-            assert catch_up is not None, "every drafting row has a position to draft from"
-            ends = catch_up.query_start_loc[1:] - 1
-            catch_up_last = ends[[pass_row[r] for r in spec_rows]]
+        is_padded_draft = (
+            bool(lag) and extended is not None and len(members) == len(seqs)
+            and int(lengths.max(initial=0)) <= width
+        )  # fmt: skip
+        if is_padded_draft:
+            assert extended is not None
+            catch_up = PassLayout.of(starts, np.full(len(seqs), width), extended, block_size)
+            is_real = np.arange(width)[None, :] < lengths[:, None]
+            padded_ids = np.zeros((len(seqs), width), np.int64)
+            padded_ids[is_real] = [t for ids in draft_ids for t in ids]
+            draft_ids = [tuple(row) for row in padded_ids.tolist()]
+            catch_up_last = np.arange(len(seqs), dtype=np.int64) * width + lengths - 1
+            catch_up_valid = is_real.astype(np.int64).reshape(-1)
+        elif members:
+            catch_up = PassLayout.of(starts, lengths, [tables[r] for r in members], block_size)
+            if spec_rows:
+                pass_row = {row: n for n, row in enumerate(members)}
+                ends = catch_up.query_start_loc[1:] - 1
+                catch_up_last = ends[[pass_row[r] for r in spec_rows]]
+        assert catch_up is not None or not spec_rows, "every drafting row has a position"
         chained = []
         spec_starts = np.asarray([seqs[r].start_position for r in spec_rows], np.int64)
         # A draft model also computes its last draft's KV (pass j of a row with j drafts, its
         # logits unused), so that it never trails the target: its next catch-up is one token.
         ahead = 0 if lag else 1
         for i in range(1, k_max + ahead):
-            rows = np.asarray([n for n, j in enumerate(num_drafts) if j + ahead > i], np.int64)
+            rows = np.asarray(
+                [n for n, j in enumerate(num_drafts) if j + ahead > i or is_padded_draft],
+                np.int64,
+            )
             if not len(rows):
                 break  # no row drafts this far (padded verification only)
+            row_tables = [tables[spec_rows[n]] for n in rows]
+            if is_padded_draft and extended is not None:
+                row_tables = extended
             layout = PassLayout.of(
-                spec_starts[rows] + i - lag,
-                np.ones(len(rows), np.int64),
-                [tables[spec_rows[n]] for n in rows],
-                block_size,
+                spec_starts[rows] + i - lag, np.ones(len(rows), np.int64), row_tables, block_size
             )
             chained.append((layout, rows))
         # The target's pass: each row's real tokens, then its j drafts.
@@ -187,17 +234,11 @@ class SpecLayout:
             spec_logits.append(first + np.minimum(np.arange(k_max + 1), j))
         empty = np.zeros(0, np.int64)
         verify, first_ids = None, None
-        if pad_to is not None:
+        if extended is not None:
             assert not plain_rows, "the padded verification takes drafting rows only"
-            width = k_max + 1
             slots, source = [], []  # the drafts land in the verification's own buffers
             spec_logits = [np.arange(len(spec_rows) * width)]
             starts = np.asarray([s.start_position for s in seqs], np.int64)
-            extended = [
-                (*s.block_table, *(null_block,) * (-(-(s.start_position + width) // block_size)
-                                                    - len(s.block_table)))
-                for s in seqs
-            ]  # fmt: skip
             verify = PassLayout.of(starts, np.full(len(seqs), width), extended, block_size)
             first_ids = np.asarray([s.token_ids[0] for s in seqs], np.int64)
         return cls(
@@ -216,6 +257,7 @@ class SpecLayout:
             max_emitted=np.asarray(num_drafts, np.int64) + 1,
             verify=verify,
             verify_first_ids=first_ids,
+            catch_up_valid=catch_up_valid,
         )
 
     def arrays(self) -> list[np.ndarray]:
@@ -231,6 +273,8 @@ class SpecLayout:
         if self.verify is not None:
             assert self.verify_first_ids is not None
             arrays += [*self.verify.arrays(), self.verify_first_ids]
+        if self.catch_up_valid is not None:
+            arrays.append(self.catch_up_valid)
         return arrays
 
     def unpack(self, views: list[torch.Tensor]) -> SpecViews:
@@ -248,7 +292,8 @@ class SpecLayout:
             chained.append((pass_views, rows))
         target = take(5)
         verify = take(_PASS_ARRAYS + 1) if self.verify is not None else None
-        return SpecViews(catch_up, catch_up_ids, catch_up_last, chained, target, verify)
+        valid = take(1)[0] if self.catch_up_valid is not None else None
+        return SpecViews(catch_up, catch_up_ids, catch_up_last, chained, target, verify, valid)
 
 
 _PASS_ARRAYS = 5  # PassLayout.arrays()
@@ -264,3 +309,4 @@ class SpecViews:
     chained: list[tuple[list[torch.Tensor], torch.Tensor]]
     target: list[torch.Tensor]  # draft slots, draft source, spec logits, plain logits, max emitted
     verify: list[torch.Tensor] | None  # the padded verification's PassLayout views, first ids
+    catch_up_valid: torch.Tensor | None = None  # padded MTP drafting's (see the module)

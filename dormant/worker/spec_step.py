@@ -1,4 +1,9 @@
-"""One step of speculative decoding on one rank: draft, verify, emit; eager.
+"""One step of speculative decoding on one rank: draft, verify, emit.
+
+Passes of static shapes run from their own buffers and replay CUDA graphs on a GPU: a draft
+model's one-token passes (``draft_decoder.py``), MTP's passes of a step whose rows all draft
+(``mtp_decoder.py``), and the verification of such a step (``target_verifier.py``); the rest
+(a prompt's catch-up, a step with a prefill chunk or a row that cannot draft) runs eagerly.
 
 Order within the step (the drafts and the draft's probabilities never leave it, so workers keep
 no per-request state, and nothing but the result is copied to the host):
@@ -44,6 +49,7 @@ from dormant.worker.draft_model import DraftModel
 from dormant.worker.input_buffers import Staging
 from dormant.worker.logprobs import HostCopy, packed_logprobs
 from dormant.worker.model_runner import ModelRunner, _max_logprobs
+from dormant.worker.mtp_decoder import MTPDecoder
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.rejection_sampler import draft_sample, verify
 from dormant.worker.sampler import SamplingTensors, processed_logits
@@ -67,11 +73,15 @@ class SpecStep:
         self._staging = Staging(self.device)
         self._host_copy = HostCopy(self.device)
         # A draft model's one-token passes run from static buffers (graphs once captured);
-        # MTP's take the previous hidden states too, and run eagerly.
+        # MTP's passes do in padded steps (``mtp_decoder.py``), and eagerly in the others.
         null_block = runner.inputs.null_block
         self.decoder: DraftDecoder | None = None
+        self.mtp: MTPDecoder | None = None
         if isinstance(draft, DraftModel):
             self.decoder = DraftDecoder(draft.model, runner.mm, runner.config, null_block)
+        else:
+            k = spec.num_speculative_tokens
+            self.mtp = MTPDecoder(draft, runner.mm, runner.config, null_block, k)
         # The target's verification of steps whose rows all draft, padded to K drafts each
         self.verifier = TargetVerifier(
             runner.model, runner.mm, runner.config, null_block, spec.num_speculative_tokens,
@@ -95,17 +105,21 @@ class SpecStep:
         step = cls(runner, draft, spec)
         if step.decoder is not None:
             mm.guard_addresses("draft.inputs", step.decoder.inputs.tensors)
+        if step.mtp is not None:
+            mm.guard_addresses("mtp.inputs", step.mtp.tensors)
         mm.guard_addresses("verifier.inputs", step.verifier.inputs.tensors)
         return step
 
     def capture_graphs(self) -> None:
-        """Captures the draft's decode graphs and the verification's graphs at the target's
-        batch sizes (GPU only)."""
+        """Captures the draft's decode graphs (a draft model's, or MTP's passes) and the
+        verification's graphs at the target's batch sizes (GPU only)."""
         graphs = self.runner.graphs
         if graphs is None or self.spec.enforce_eager:
             return
         if self.decoder is not None:
             self.decoder.capture(graphs.batch_sizes)
+        if self.mtp is not None:
+            self.mtp.capture(graphs.batch_sizes)
         self.verifier.capture(graphs.batch_sizes)
 
     @torch.inference_mode()
@@ -125,7 +139,8 @@ class SpecStep:
     def _padded_verification(self, seqs: SequenceOf[SeqInput]) -> int | None:
         """``K`` when every row drafts and fits the verification's static pass, else None."""
         k, max_len = self.spec.num_speculative_tokens, self.runner.config.max_model_len
-        fits = self.verifier.fits(len(seqs)) and all(
+        fits = self.verifier.fits(len(seqs)) and (self.mtp is None or self.mtp.fits(len(seqs)))
+        fits = fits and all(
             s.num_draft_tokens and s.start_position + k + 1 <= max_len for s in seqs
         )
         return k if fits and not self.runner.is_logits_patched else None
@@ -140,13 +155,20 @@ class SpecStep:
         distributions they were drawn from (float32 [n_spec, k_max, V]; point masses on the
         padding)."""
         draft, decoder = self.draft, self.decoder
+        mtp = self.mtp if layout.is_padded_draft else None  # static shapes: its graphs
         num_spec, k_max = len(layout.spec_rows), layout.max_drafts
         drafts = torch.zeros((num_spec, k_max), dtype=torch.int64, device=self.device)
-        hidden, logits = None, None
+        hidden, logits, first_logits = None, None, None
         if layout.catch_up is not None:
             assert views.catch_up is not None
             positions, meta = layout.catch_up.metadata(views.catch_up)
-            if decoder is not None and meta.max_query_len == 1:  # a decode step of the draft
+            if mtp is not None:  # each row's newest hidden state stays in mtp.previous
+                assert views.catch_up_valid is not None
+                first_logits = mtp.catch_up(
+                    views.catch_up, views.catch_up_ids, views.catch_up_last,
+                    views.catch_up_valid, layout.catch_up.width,
+                )  # fmt: skip
+            elif decoder is not None and meta.max_query_len == 1:  # a decode step of the draft
                 logits = decoder.run(views.catch_up_ids, positions, meta)
             else:
                 previous = self._cached_hidden(meta.slot_mapping)
@@ -162,7 +184,9 @@ class SpecStep:
             probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
             probs[..., 0] = 1.0  # the padding's point mass
         latest = None  # each drafting row's newest hidden state (MTP's next input)
-        if logits is not None:
+        if first_logits is not None:
+            logits = first_logits
+        elif logits is not None:
             logits = logits[last]
         else:
             assert hidden is not None
@@ -176,7 +200,9 @@ class SpecStep:
             zip(layout.chained, views.chained, strict=True), start=1
         ):
             positions, meta = pass_layout.metadata(pass_views)
-            if decoder is not None:
+            if mtp is not None:  # every row: past a row's j its drafts are padding
+                logits = mtp.step(drafts[:, i - 1], pass_views, pass_layout.width, i)
+            elif decoder is not None:
                 logits = decoder.run(drafts[rows, i - 1], positions, meta)
             else:
                 assert latest is not None

@@ -203,3 +203,59 @@ def test_the_model_objects_load_weights_refits_the_mtp_layers(engines, mimo, fir
     first_drafts.clear()
     assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == before
     assert first_drafts == drafts_before
+
+
+def _stand_in_graphs(llm: LLM, size: int = 8) -> list[int | None]:
+    """Replaces the MTP decoder's graphs by stand-ins at batch size ``size`` that run the
+    captured body eagerly (as a replay would, padding rows included); returns the replays'
+    layers as they happen (None: the catch-up)."""
+    mtp = llm.llm_engine.executor.worker._spec_step.mtp
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    replays: list[int | None] = []
+
+    def stand_in(layer: int | None) -> tuple[object, torch.Tensor]:
+        output = torch.empty((size, vocab))
+
+        class Graph:
+            def replay(self) -> None:
+                replays.append(layer)
+                output.copy_(mtp._body(size, layer))
+
+        return Graph(), output
+
+    mtp.catch_up_graphs = {size: stand_in(None)}
+    mtp.step_graphs = {layer: {size: stand_in(layer)} for layer in mtp._chained_layers()}
+    return replays
+
+
+def test_mtp_passes_padded_to_graph_sizes_change_nothing(engines, mimo, reference, first_drafts):
+    """An all-decode MTP step drafts through the static passes that replay graphs on a GPU
+    (``mtp_decoder.py``): padded to a graph's batch size with dummy rows in the null block (the
+    "graph" replays the captured body eagerly), the tokens and every step's first draft are as
+    without padding, and the path was taken."""
+    path = mimo[0]
+    eager = make(engines, path, k=3)
+    assert tokens(eager.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
+    expected = list(first_drafts)
+    first_drafts.clear()
+    llm = make(engines, path, k=3)
+    replays = _stand_in_graphs(llm)
+    assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
+    assert first_drafts == expected
+    assert replays.count(None) >= 10 and replays.count(0) == 2 * replays.count(None)
+    assert llm.llm_engine.executor.worker._spec_step.mtp.num_graph_replays == len(replays)
+
+
+def test_a_padding_that_writes_a_real_block_changes_the_drafts(engines, mimo, first_drafts):
+    """The test above can fail: dummy rows that write block 0 (a sequence's) instead of the
+    null block corrupt the MTP layers' KV there, and the drafts change."""
+    path = mimo[0]
+    eager = make(engines, path, k=3)
+    eager.generate(_prompts(), GREEDY, use_tqdm=False)
+    expected = list(first_drafts)
+    first_drafts.clear()
+    llm = make(engines, path, k=3)
+    _stand_in_graphs(llm)
+    llm.llm_engine.executor.worker._spec_step.mtp.null_block = 0
+    llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert first_drafts != expected

@@ -1,5 +1,6 @@
 """Speculative decoding on the GPU (issue 19): greedy output identical to decoding without it
-(k = 1, 3, 5; self-speculation, an unrelated draft, MTP layers), and the seed's lifecycle with
+(k = 1, 3, 5; self-speculation, an unrelated draft, MTP layers; MTP's passes from graphs equal
+the eager ones across a level-2 cycle), and the seed's lifecycle with
 speculation on, CUDA graphs captured for the target's decodes: record the graph-visible
 addresses (the target's and the draft's), generate, ``sleep(2)``, ``wake_up(["weights"])``,
 ``collective_rpc("reload_weights")``, ``wake_up(["kv_cache"])``, generate again: tokens
@@ -66,7 +67,9 @@ def make(
     if is_mimo or draft == "mtp":  # the tiny MiMo has 128 positions and no tokenizer
         options.update(skip_tokenizer_init=True, max_model_len=128)
     if draft == "mtp":
-        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        options["speculative_config"] = {
+            "method": "mtp", "num_speculative_tokens": k, **spec_options
+        }  # fmt: skip
     elif draft is not None:
         options["speculative_config"] = {
             "model": str(draft), "num_speculative_tokens": k, **spec_options
@@ -98,6 +101,10 @@ def graph_visible(llm: LLM) -> list[tuple[int, int]]:
     draft = worker.draft
     tensors += [*draft.model.parameters(), *(a.kv_cache for a in draft.model.attention_layers())]
     tensors += [] if draft.hidden_cache is None else [draft.hidden_cache]
+    mtp = worker._spec_step.mtp
+    if mtp is not None:  # MTP's static inputs and its graphs' outputs
+        captured = [mtp.catch_up_graphs, *mtp.step_graphs.values()]
+        tensors += [*mtp.tensors(), *(out for g in captured for _, out in g.values())]
     return [(id(t), t.data_ptr()) for t in tensors]
 
 
@@ -180,3 +187,34 @@ def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints)
     eager = make(engines, target, other, k=3, enforce_eager=True)
     assert not eager.llm_engine.executor.worker._spec_step.verifier.graphs
     assert (tokens(eager), tokens(eager, SEEDED)) == expected
+
+
+def test_mtp_passes_replay_graphs_and_match_eager_across_a_level_2_cycle(engines, mimo) -> None:
+    """An all-decode MTP step drafts from graphs (the catch-up and each chained pass,
+    ``worker/mtp_decoder.py``): greedy tokens equal the eager MTP step's and decoding without
+    speculation, the replay counter grows, and after sleep(2) + reload the same graphs replay
+    at the same addresses with the same tokens and draft counts."""
+    reference = tokens(make(engines, mimo, is_mimo=True), prompts=MIMO_PROMPTS)
+    eager = make(engines, mimo, "mtp", k=3, enforce_eager=True)
+    assert tokens(eager, prompts=MIMO_PROMPTS) == reference
+    assert eager.llm_engine.executor.worker._spec_step.mtp.num_graph_replays == 0
+    llm = make(engines, mimo, "mtp", k=3)
+    mtp = llm.llm_engine.executor.worker._spec_step.mtp
+    assert mtp.catch_up_graphs and mtp.step_graphs[0]  # MiMo's one layer drafts d_2, d_3
+    addresses = graph_visible(llm)
+    assert tokens(llm, prompts=MIMO_PROMPTS) == reference
+    replays = mtp.num_graph_replays
+    assert replays >= 10  # every decode step but each prompt's first
+    stats = llm.llm_engine.spec_decode_stats
+    counts = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    llm.llm_engine.spec_decode_stats = SpecDecodeStats()
+    llm.sleep(level=2)
+    llm.wake_up(["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(["kv_cache"])
+    assert graph_visible(llm) == addresses
+    assert tokens(llm, prompts=MIMO_PROMPTS) == reference
+    assert mtp.num_graph_replays == 2 * replays  # the same steps replayed the same graphs
+    stats = llm.llm_engine.spec_decode_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == counts
+    llm.llm_engine.executor.worker.mm.verify_guards()
