@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dormant.layers.triton_moe_direct import fused_experts_direct, is_direct
+from dormant.layers.triton_moe_direct import check_unit_strides, fused_experts_direct, is_direct
 from dormant.layers.triton_moe_routing import align_by_expert
 
 
@@ -182,8 +182,7 @@ def fused_experts_sorted(
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("fused_experts needs unit stride in the last dimension of x, w13, w2")
+    check_unit_strides(x, w13, w2)
     num_pairs = num_tokens * top_k
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     up, down = configs or (

@@ -46,6 +46,12 @@ class GemvConfig:
     num_stages: int = 3
 
 
+def check_unit_strides(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Both paths read rows of ``x``, ``w13`` and ``w2`` as contiguous runs."""
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_experts needs unit stride in the last dimension of x, w13, w2")
+
+
 def is_direct(num_tokens: int, top_k: int) -> bool:
     """Whether ``fused_experts`` takes this path for a batch of ``num_tokens``."""
     return num_tokens * top_k <= DIRECT_MAX_PAIRS
@@ -145,8 +151,7 @@ def fused_experts_direct(
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("fused_experts needs unit stride in the last dimension of x, w13, w2")
+    check_unit_strides(x, w13, w2)
     up, down = configs or (gemv_config(inter, hidden, True), gemv_config(hidden, inter, False))
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     num_pairs = num_tokens * top_k
