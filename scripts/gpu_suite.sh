@@ -48,10 +48,10 @@ if [[ $stage == rollout ]]; then
   python3 benchmarks/rollout.py "$@" --out "$OUT/rollout.jsonl" 2>&1 | tee "$OUT/rollout.log"
   status=$((status | PIPESTATUS[0]))
 fi
-if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~10 minutes
+if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 minutes
   python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
-  for probe in wake_after_release first_sleep kv_release; do
+  for probe in wake_after_release first_sleep kv_release engine_wake; do
     extra=$([[ $probe == wake_after_release ]] && echo --engine)
     python3 benchmarks/$probe.py $extra --out "$OUT/$probe.jsonl" 2>&1 | tee "$OUT/$probe.log"
     status=$((status | PIPESTATUS[0]))
