@@ -37,7 +37,7 @@ from dormant.engine.batch import SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.sequence import Sequence, SequenceStatus
 
-Row = tuple[Sequence, int]
+Row = tuple[Sequence, int]  # a sequence and how many positions it computes in the step
 
 
 class Forks:

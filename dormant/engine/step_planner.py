@@ -16,10 +16,8 @@ from collections.abc import Callable
 from dormant.engine import speculation, stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
-from dormant.engine.forks import Forks
+from dormant.engine.forks import Forks, Row
 from dormant.engine.sequence import Sequence, SequenceStatus
-
-Row = tuple[Sequence, int]  # a sequence and how many positions it computes in the step
 
 
 class StepPlanner:
