@@ -86,7 +86,9 @@ class OutputProcessor:
         self._weight_version = weight_version
         self._weight_epoch = weight_epoch
         self._requests: dict[int, RequestState] = {}
-        self._request_of_seq: dict[int, RequestState] = {}
+        # Each tracked sequence's request and its own sample (looked up once per token).
+        self._sample_of_seq: dict[int, tuple[RequestState, SampleState]] = {}
+        self._texts: dict[int, str] = {}  # ``_text``'s memo: at most one entry per id
 
     def add(
         self,
@@ -104,8 +106,8 @@ class OutputProcessor:
             stop_strings=params.stop_strings,
         )  # fmt: skip
         self._requests[request_id] = state
-        for seq in seqs:
-            self._request_of_seq[seq.seq_id] = state
+        for seq, sample in zip(seqs, samples, strict=True):
+            self._sample_of_seq[seq.seq_id] = (state, sample)
 
     def seq_ids(self, request_ids: SequenceOf[int] | None) -> list[int] | None:
         """The sequence ids of these requests (all when None); unknown ids are skipped."""
@@ -117,8 +119,7 @@ class OutputProcessor:
     def on_token(self, seq: Sequence, token_id: int, is_stop_token: bool) -> str | None:
         """The scheduler's ``TokenHook``: appends the token's text; returns the stop string
         the text now ends with (and cuts the text there), else None."""
-        state = self._request_of_seq[seq.seq_id]
-        sample = state.samples[state.seqs.index(seq)]
+        state, sample = self._sample_of_seq[seq.seq_id]
         params = state.params
         if sample.decoder is None:
             return None
@@ -135,17 +136,21 @@ class OutputProcessor:
         """Records the logprobs of the tokens each of ``seqs`` appended in this step
         (``num_before[i]`` is how many outputs ``seqs[i]`` had before) and prompt logprobs."""
         weights = self._weights_in_use()
+        tracked = self._sample_of_seq
         for seq, output, before in zip(seqs, outputs, num_before, strict=True):
-            state = self._request_of_seq.get(seq.seq_id)
-            if state is None:
+            found = tracked.get(seq.seq_id)
+            if found is None:
                 continue
-            num_appended = seq.num_output_tokens - before
-            if num_appended and weights is not None and state.weights[-1:] != [weights]:
+            state, sample = found
+            appended = seq.output_token_ids[before:]
+            if (
+                appended
+                and weights is not None
+                and (not state.weights or state.weights[-1] != weights)
+            ):
                 state.weights.append(weights)
-            if output.logprobs is not None and num_appended:
-                sample = state.samples[state.seqs.index(seq)]
-                appended = seq.output_token_ids[before:]
-                self._record_logprobs(state, sample, appended, output.logprobs[:num_appended])
+            if output.logprobs is not None and appended:
+                self._record_logprobs(state, sample, appended, output.logprobs[: len(appended)])
             if output.prompt_logprobs is not None and seq is state.seqs[0]:
                 self._record_prompt_logprobs(state, output.prompt_logprobs)
 
@@ -158,13 +163,14 @@ class OutputProcessor:
         """The outputs of the requests that ``finished`` completed, which are then forgotten."""
         outputs: list[RequestOutput] = []
         for seq in finished:
-            state = self._request_of_seq.get(seq.seq_id)
-            if state is None or not state.is_finished:
+            found = self._sample_of_seq.get(seq.seq_id)
+            if found is None or not found[0].is_finished:
                 continue
+            state = found[0]
             outputs.append(self._build(state))
             del self._requests[state.request_id]
             for done in state.seqs:
-                del self._request_of_seq[done.seq_id]
+                del self._sample_of_seq[done.seq_id]
         return outputs
 
     def _new_sample(self, params: SamplingParams, prompt_token_ids: list[int]) -> SampleState:
@@ -195,7 +201,12 @@ class OutputProcessor:
                     f"request {state.request_id}: the worker's logprobs are for token "
                     f"{entry.token_ids[0]} but token {token_id} was sampled"
                 )
-            sample.logprobs.append(self._position(entry, k))
+            if k == 0 or len(entry.token_ids) == 1:  # logprobs=0, as RL rollouts ask: built here
+                text = self._text(token_id)
+                position = {token_id: Logprob(entry.logprobs[0], entry.ranks[0], text)}
+            else:
+                position = self._position(entry, k)
+            sample.logprobs.append(position)
             sample.cumulative_logprob += entry.logprobs[0]
 
     def _record_prompt_logprobs(
@@ -221,6 +232,16 @@ class OutputProcessor:
                 token_ids, entry.logprobs[:num], entry.ranks[:num], texts, strict=True
             )
         }
+
+    def _text(self, token_id: int) -> str | None:
+        """``decode_each``'s text of one id (None without a tokenizer), memoized: it is the
+        id's own text, whatever surrounds it."""
+        if self.tokenizer is None:
+            return None
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode_each((token_id,))[0]
+        return text
 
     def _build(self, state: RequestState) -> RequestOutput:
         params = state.params

@@ -34,6 +34,9 @@ _GENERATION_CONFIG_FILE = "generation_config.json"
 # decode without a replacement character, so the first output token gets its leading space.
 _MIN_PRIMING_TOKENS, _MAX_PRIMING_TOKENS = 4, 24
 _REPLACEMENT_CHARACTER = "\ufffd"
+# Each byte id's own text, as ``ByteTokenizer.decode([id])`` makes it (a lone byte past ASCII
+# is invalid UTF-8: the replacement character).
+_BYTE_TEXTS = tuple(bytes([b]).decode("utf-8", errors="replace") for b in range(_NUM_BYTE_IDS))
 
 
 class TokenizerError(EngineError, ValueError):
@@ -102,7 +105,8 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def decode_each(self, token_ids: Sequence[int]) -> list[str]:
-        return [self.decode([t]) for t in token_ids]
+        texts = _BYTE_TEXTS
+        return [texts[t] if 0 <= t < _NUM_BYTE_IDS else "" for t in token_ids]
 
     def incremental_decoder(
         self, prompt_token_ids: Sequence[int], skip_special_tokens: bool
