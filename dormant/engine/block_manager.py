@@ -10,10 +10,10 @@ fork (``fork``) the leader's full prompt blocks, and nobody writes a position of
 The one copy-on-write is a fork's partial last block: the sibling gets a new block of its own,
 which the workers fill from the leader's after the step's forward (``StepInput.block_copies``).
 
-Invariant (checked by ``check_invariant``): every block id in ``0 .. num_blocks-1`` is exactly
-one of free, evictable (hashed, held by nobody) or held (listed once in the ``block_table`` of
-each of its holders). Taking a block prefers the free list, then evicts the least recently
-freed cached block.
+Invariant (checked by ``check_invariant``; the table is in ``block_invariant.py``): every block
+id in ``0 .. num_blocks-1`` is exactly one of free, evictable (hashed, held by nobody) or held
+(listed once in the ``block_table`` of each of its holders). Taking a block prefers the free
+list, then evicts the least recently freed cached block.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 
+from dormant.engine.block_invariant import invariant_violation
 from dormant.engine.prefix_cache import PrefixCache, PrefixCacheStats, extend_block_hashes
 from dormant.engine.sequence import Sequence
 from dormant.errors import EngineError
@@ -257,38 +258,17 @@ class BlockManager:
     def check_invariant(self, seqs: Iterable[Sequence]) -> None:
         """Raise ``BlockManagerError`` unless every block is exactly one of free, evictable or
         held, and each held block is listed once in the table of each of its holders and of no
-        other sequence. ``seqs`` must be every sequence that may hold blocks."""
-        free = set(self._free_block_ids)
-        if len(free) != len(self._free_block_ids):
-            raise BlockManagerError("the free list holds a block twice")
-        cache = self.prefix_cache
-        evictable = {
-            b for b in range(self.num_blocks) if cache is not None and cache.is_evictable(b)
-        }
-        if free & evictable:
-            raise BlockManagerError(f"blocks {sorted(free & evictable)} are free and evictable")
-        if cache is not None and any(not cache.is_hashed(b) for b in evictable):
-            raise BlockManagerError("an evictable block is not hashed")
-        listed: dict[int, set[int]] = {}
-        holders = self._holders_by_block_id
-        for seq in seqs:
-            if len(set(seq.block_table)) != len(seq.block_table):
-                raise BlockManagerError(f"{seq!r} lists a block twice: {seq.block_table}")
-            for block_id in seq.block_table:
-                if block_id in free or block_id in evictable:
-                    raise BlockManagerError(f"block {block_id} is not held but is in {seq!r}")
-                if seq.seq_id not in holders.get(block_id, ()):
-                    raise BlockManagerError(
-                        f"block {block_id} is in {seq!r} but not recorded as held by it"
-                    )
-                listed.setdefault(block_id, set()).add(seq.seq_id)
-        missing = sorted(set(range(self.num_blocks)) - free - evictable - listed.keys())
-        if missing:
-            raise BlockManagerError(f"blocks {missing} are neither free nor in any given table")
-        if listed != holders:
-            raise BlockManagerError(
-                f"the tables list holders {listed} but the recorded ones are {holders}"
-            )
+        other sequence (``block_invariant.py``). ``seqs`` must be every sequence that may hold
+        blocks."""
+        violation = invariant_violation(
+            self.num_blocks,
+            self._free_block_ids,
+            self._holders_by_block_id,
+            self.prefix_cache,
+            seqs,
+        )
+        if violation is not None:
+            raise BlockManagerError(violation)
 
     def _num_missing(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.num_blocks_for(num_tokens) - len(seq.block_table))
