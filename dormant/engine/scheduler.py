@@ -55,7 +55,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceOf
 
-from dormant.engine import stopping
+from dormant.engine import admission, stopping
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.forks import Forks
@@ -127,35 +127,19 @@ class Scheduler:
 
         Raises ``RequestTooLongError`` if its prompt exceeds ``max_model_len``, it could not
         run to completion even with the whole cache, or it asks for prompt logprobs (which are
-        computed in one step) of a prompt longer than ``max_num_batched_tokens``; and
+        computed in one step) of a prompt longer than ``max_num_batched_tokens``
+        (``admission.py``); and
         ``DuplicateSequenceError`` if its id is in use. None of them changes any state.
         """
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise SchedulerError(f"only new WAITING sequences without blocks can be added: {seq!r}")
         if seq.seq_id in self._unfinished_by_id:
             raise DuplicateSequenceError(f"sequence id {seq.seq_id} is already scheduled")
-        config = self.config
-        if seq.num_tokens > config.max_model_len:
-            raise RequestTooLongError(
-                f"sequence {seq.seq_id} has {seq.num_tokens} prompt tokens, more than "
-                f"max_model_len={config.max_model_len}; shorten the prompt"
-            )
-        num_blocks = self.block_manager.num_blocks_for(
-            stopping.max_num_kv_tokens(seq, config.max_model_len)
+        reason = admission.refusal(
+            seq, self.config, self.block_manager, self._planner.may_chunk(seq)
         )
-        if num_blocks > self.block_manager.num_blocks:
-            raise RequestTooLongError(
-                f"sequence {seq.seq_id} may need {num_blocks} KV blocks (prompt "
-                f"{seq.num_prompt_tokens} + max_tokens {seq.params.max_tokens}, capped by "
-                f"max_model_len={config.max_model_len}) but the cache has only "
-                f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache"
-            )
-        if not self._planner.may_chunk(seq) and seq.num_tokens > config.max_num_batched_tokens:
-            raise RequestTooLongError(
-                f"sequence {seq.seq_id} asks for prompt logprobs, which are computed in one "
-                f"step, but its {seq.num_tokens} prompt tokens exceed max_num_batched_tokens="
-                f"{config.max_num_batched_tokens}; raise it or shorten the prompt"
-            )
+        if reason is not None:
+            raise RequestTooLongError(reason)
         if (
             fork_of is not None
             and self._unfinished_by_id.get(fork_of.seq_id) is fork_of
