@@ -6,7 +6,8 @@ model's one-token passes (``draft_decoder.py``), MTP's passes of a step whose ro
 (a prompt's catch-up, a step with a prefill chunk or a row that cannot draft) runs eagerly.
 
 Order within the step (the drafts and the draft's probabilities never leave it, so workers keep
-no per-request state, and nothing but the result is copied to the host):
+no per-request state, and nothing but the result is copied to the host; steps 1 and 2 are
+``spec_drafter.py``'s):
 
 1. **Draft catch-up**: the draft computes every row's ``draft_prefix_token_ids`` and
    ``token_ids`` (its KV then covers what the target's does); at each drafting row's last
@@ -51,8 +52,9 @@ from dormant.worker.logprobs import HostCopy, packed_logprobs
 from dormant.worker.model_runner import ModelRunner, _max_logprobs
 from dormant.worker.mtp_decoder import MTPDecoder
 from dormant.worker.mtp_draft import MTPDraftModel
-from dormant.worker.rejection_sampler import draft_sample, verify
+from dormant.worker.rejection_sampler import verify
 from dormant.worker.sampler import SamplingTensors, processed_logits
+from dormant.worker.spec_drafter import Drafter
 from dormant.worker.spec_inputs import SpecLayout, SpecViews
 from dormant.worker.spec_outputs import read_outputs, with_draft_computed
 from dormant.worker.target_verifier import TargetVerifier
@@ -82,6 +84,7 @@ class SpecStep:
         else:
             k = spec.num_speculative_tokens
             self.mtp = MTPDecoder(draft, runner.mm, runner.config, null_block, k)
+        self.drafter = Drafter(draft, spec, self.decoder, self.mtp, self.device, self.vocab_size)
         # The target's verification of steps whose rows all draft, padded to K drafts each
         self.verifier = TargetVerifier(
             runner.model, runner.mm, runner.config, null_block, spec.num_speculative_tokens,
@@ -129,7 +132,7 @@ class SpecStep:
         layout = SpecLayout.of(seqs, self.block_size, lag, pad_to, self.runner.inputs.null_block)
         staged, _ = self._staging.stage(layout.arrays())
         views = layout.unpack(staged)
-        drafts, probs = self._draft(seqs, layout, views)
+        drafts, probs = self.drafter.propose(seqs, layout, views)
         if not layout.spec_rows and self.draft.hidden_cache is None:
             # nothing to verify, no hidden state to keep: the target's step as without drafts
             output = self.runner.execute(step)
@@ -144,94 +147,6 @@ class SpecStep:
             s.num_draft_tokens and s.start_position + k + 1 <= max_len for s in seqs
         )
         return k if fits and not self.runner.is_logits_patched else None
-
-    # ── drafting ──────────────────────────────────────────────────────────────────────────────
-
-    def _draft(
-        self, seqs: SequenceOf[SeqInput], layout: SpecLayout, views: SpecViews
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs the catch-up and chained passes; returns the drafts (int64 [n_spec, k_max],
-        0 past a row's ``j``) and, for "probabilistic" drafts of random rows, the
-        distributions they were drawn from (float32 [n_spec, k_max, V]; point masses on the
-        padding)."""
-        draft, decoder = self.draft, self.decoder
-        mtp = self.mtp if layout.is_padded_draft else None  # static shapes: its graphs
-        num_spec, k_max = len(layout.spec_rows), layout.max_drafts
-        drafts = torch.zeros((num_spec, k_max), dtype=torch.int64, device=self.device)
-        hidden, logits, first_logits = None, None, None
-        if layout.catch_up is not None:
-            assert views.catch_up is not None
-            positions, meta = layout.catch_up.metadata(views.catch_up)
-            if mtp is not None:  # each row's newest hidden state stays in mtp.previous
-                assert views.catch_up_valid is not None
-                first_logits = mtp.catch_up(
-                    views.catch_up, views.catch_up_ids, views.catch_up_last,
-                    views.catch_up_valid, layout.catch_up.width,
-                )  # fmt: skip
-            elif decoder is not None and meta.max_query_len == 1:  # a decode step of the draft
-                logits = decoder.run(views.catch_up_ids, positions, meta)
-            else:
-                previous = self._cached_hidden(meta.slot_mapping)
-                with forward_context(meta):
-                    hidden = draft.forward(views.catch_up_ids, positions, previous, 0)
-        if not num_spec:
-            return drafts, None
-        last = views.catch_up_last
-        spec_seqs = [seqs[r] for r in layout.spec_rows]
-        sampling = SamplingTensors.from_sequences(spec_seqs, self.vocab_size, self.device)
-        probs = None
-        if self.spec.draft_sample_method == "probabilistic" and not sampling.is_all_greedy:
-            probs = torch.zeros((num_spec, k_max, self.vocab_size), device=self.device)
-            probs[..., 0] = 1.0  # the padding's point mass
-        latest = None  # each drafting row's newest hidden state (MTP's next input)
-        if first_logits is not None:
-            logits = first_logits
-        elif logits is not None:
-            logits = logits[last]
-        else:
-            assert hidden is not None
-            latest = hidden[last]
-            logits = draft.model.compute_logits(latest)
-        tokens, row_probs = self._sample(logits, sampling, 0)
-        drafts[:, 0] = tokens
-        if probs is not None and row_probs is not None:
-            probs[:, 0] = row_probs
-        for i, ((pass_layout, _), (pass_views, rows)) in enumerate(
-            zip(layout.chained, views.chained, strict=True), start=1
-        ):
-            positions, meta = pass_layout.metadata(pass_views)
-            if mtp is not None:  # every row: past a row's j its drafts are padding
-                logits = mtp.step(drafts[:, i - 1], pass_views, pass_layout.width, i)
-            elif decoder is not None:
-                logits = decoder.run(drafts[rows, i - 1], positions, meta)
-            else:
-                assert latest is not None
-                with forward_context(meta):
-                    hidden = draft.forward(drafts[rows, i - 1], positions, latest[rows], i)
-                latest = latest.index_copy(0, rows, hidden)
-                logits = draft.model.compute_logits(hidden)
-            if i == k_max:
-                break  # the last drafts' KV (a draft model): nothing more to propose
-            subset = _select(sampling, rows)
-            tokens, row_probs = self._sample(logits, subset, i)
-            # A row whose drafts ended here (j == i) proposes one more into its padding
-            # (truncated by the verification), drawn as a draft: exactness holds for it.
-            drafts[rows, i] = tokens
-            if probs is not None and row_probs is not None:
-                probs[rows, i] = row_probs
-        return drafts, probs
-
-    def _cached_hidden(self, slots: torch.Tensor) -> torch.Tensor | None:
-        """The target's hidden states at ``slots`` (MTP's hidden cache), or None."""
-        cache = self.draft.hidden_cache
-        return None if cache is None else cache.view(-1, cache.shape[-1])[slots]
-
-    def _sample(
-        self, logits: torch.Tensor, sampling: SamplingTensors, offset: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.spec.draft_sample_method == "greedy":
-            return logits.argmax(dim=-1), None
-        return draft_sample(logits, sampling, offset)
 
     # ── the target and verification ───────────────────────────────────────────────────────────
 
@@ -334,21 +249,6 @@ class SpecStep:
         prompt_width = None if prompt is None else prompt.shape[-1]
         host = self._host_copy.wait()
         return read_outputs(host, seqs, layout, widths, prompt_width, self.draft.lag)
-
-
-def _select(sampling: SamplingTensors, rows: torch.Tensor) -> SamplingTensors:
-    """The rows ``rows`` of ``sampling`` (its host flags stay the superset's: conservative)."""
-    return dataclasses.replace(
-        sampling,
-        temperatures=sampling.temperatures[rows],
-        top_ks=sampling.top_ks[rows],
-        top_ps=sampling.top_ps[rows],
-        min_ps=sampling.min_ps[rows],
-        seeds=sampling.seeds[rows],
-        steps=sampling.steps[rows],
-        is_greedy=sampling.is_greedy[rows],
-        noise_keys=sampling.noise_keys[:, rows],
-    )
 
 
 __all__ = ["SpecStep"]

@@ -17,7 +17,7 @@ import torch
 from dormant import LLM, SamplingParams
 from dormant.core.errors import UnsupportedOptionError, WeightsNotLoadedError
 from dormant.models import ModelConfig, iterate_safetensors
-from dormant.worker import spec_step
+from dormant.worker import spec_drafter
 from dormant.worker.ipc_weights import FLATTENED_BUCKET, flattened_bucket_request
 from tests.engine.conftest import tokens
 
@@ -73,7 +73,7 @@ def make(engines: list[LLM], path: Path, k: int = 3) -> LLM:
 def first_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """(context length, prompt's first token, first draft) of every drafting row of every step."""
     seen: list[tuple[int, int, int]] = []
-    original = spec_step.SpecStep._draft
+    original = spec_drafter.Drafter.propose
 
     def spy(self, seqs, layout, views):  # type: ignore[no-untyped-def]
         drafts, probs = original(self, seqs, layout, views)
@@ -82,7 +82,7 @@ def first_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
             seen.append((seq.seq_len, seq.draft_start, int(drafts[n, 0])))
         return drafts, probs
 
-    monkeypatch.setattr(spec_step.SpecStep, "_draft", spy)
+    monkeypatch.setattr(spec_drafter.Drafter, "propose", spy)
     return seen
 
 
