@@ -133,6 +133,22 @@ def _target_and_draft(path: Path) -> list[tuple[str, torch.Tensor]]:
     return [*weights, *((f"draft.{name}", tensor) for name, tensor in weights)]
 
 
+def _generates_as_a_fresh_engine(llm: LLM, expected: list[tuple[int, ...]]) -> None:
+    """After a refit of target and draft: the KV wakes, and the tokens are a fresh engine's on
+    the new weights, every draft accepted (the draft is the new target, not the old one)."""
+    llm.wake_up(["kv_cache"])
+    _fresh_stats(llm)
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert _acceptance(llm) == 1.0
+
+
+def _refuses_with_the_draft_stale(llm: LLM) -> None:
+    """After a refit of the target alone: generation names the draft's stale weights."""
+    llm.wake_up(["kv_cache"])
+    with pytest.raises(WeightsNotLoadedError, match="draft\\."):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
 def _asleep_then_weights_awake(path: Path) -> LLM:
     llm = _self_speculating(path)
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -149,10 +165,7 @@ def test_a_flattened_bucket_refits_target_and_draft_after_a_level_2_sleep(
         entries, flat = flattened_bucket_request(_target_and_draft(other_checkpoint))
         llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
         del flat
-        llm.wake_up(["kv_cache"])
-        _fresh_stats(llm)
-        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected_other
-        assert _acceptance(llm) == 1.0  # the draft is the new target, not the old one
+        _generates_as_a_fresh_engine(llm, expected_other)
     finally:
         llm.shutdown()
 
@@ -165,9 +178,7 @@ def test_a_bucket_of_the_target_alone_leaves_the_draft_stale(
         target = list(iterate_safetensors(str(other_checkpoint)))
         entries, _flat = flattened_bucket_request(target)
         llm.update_weights_from_tensor(entries, load_format=FLATTENED_BUCKET)
-        llm.wake_up(["kv_cache"])
-        with pytest.raises(WeightsNotLoadedError, match="draft\\."):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        _refuses_with_the_draft_stale(llm)
         bad = [*((f"draft.{n}", t) for n, t in target), ("draft.nope", target[0][1])]
         entries, _bad_flat = flattened_bucket_request(bad)
         with pytest.raises(WeightError, match="nope"):  # refused: nothing written
@@ -204,10 +215,7 @@ def test_a_weight_update_group_refits_target_and_draft_after_a_level_2_sleep(
         llm.update_weights_from_distributed(names, dtypes, shapes, GROUP)
         conn.send(None)
         llm.destroy_weights_update_group(GROUP)
-        llm.wake_up(["kv_cache"])
-        _fresh_stats(llm)
-        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected_other
-        assert _acceptance(llm) == 1.0
+        _generates_as_a_fresh_engine(llm, expected_other)
     finally:
         trainer.join(timeout=30)
         if trainer.is_alive():
@@ -233,10 +241,7 @@ def test_the_model_objects_load_weights_refits_target_and_draft(
         model = _model_object(llm)
         for name, tensor in _target_and_draft(other_checkpoint):
             model.load_weights([(name, tensor)])
-        llm.wake_up(["kv_cache"])
-        _fresh_stats(llm)
-        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected_other
-        assert _acceptance(llm) == 1.0  # the draft is the new target, not the old one
+        _generates_as_a_fresh_engine(llm, expected_other)
     finally:
         llm.shutdown()
 
@@ -248,9 +253,7 @@ def test_the_model_objects_load_weights_of_the_target_alone_leaves_the_draft_sta
     try:
         model = _model_object(llm)
         model.load_weights(list(iterate_safetensors(str(other_checkpoint))))
-        llm.wake_up(["kv_cache"])
-        with pytest.raises(WeightsNotLoadedError, match="draft\\."):
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        _refuses_with_the_draft_stale(llm)
     finally:
         llm.shutdown()
 
