@@ -6,11 +6,9 @@ reaches the engine as each rank's ``RankSleepState``. ``EngineSleep`` (``engine_
 carries out sleep, pause and wake, in-flight requests first, by mode. Start-up, and what the
 engine learns in it, is ``engine_start.py``.
 
-The prefix cache is never stale (DESIGN §3 invariant 10), and the engine alone keeps it so:
-every rank reports how often its weights were written and its KV discarded (``RankSleepState``,
-counted on the worker whatever path did it), and before each schedule the engine drops the
-cache if any count moved since the cache was last known good (``_invalidate_stale_prefix_cache``).
-``reset_prefix_cache()`` is for vLLM's callers; correctness never depends on it.
+The prefix cache is never stale (DESIGN §3 invariant 10): before each schedule the engine drops
+it if any rank's weights or KV changed since (``kv_epoch.py``). ``reset_prefix_cache()`` is for
+vLLM's callers; correctness never depends on it.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from dormant.engine.engine_start import (
     start_workers,
 )
 from dormant.engine.engine_status import EngineMemoryStatus
+from dormant.engine.kv_epoch import CachedKVEpoch
 from dormant.engine.model_config_view import ModelConfigView
 from dormant.engine.output_processor import OutputProcessor
 from dormant.engine.outputs import RequestOutput
@@ -71,7 +70,9 @@ class LLMEngine:
         self.spec_decode_stats = SpecDecodeStats() if config.speculative_config else None
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, eos)
-        self._kv_epoch = self.sleep_control.kv_epoch  # what the cached KV was computed under
+        self._kv_epoch = CachedKVEpoch(
+            self.sleep_control, lambda: self.scheduler.block_manager.reset_prefix_cache()
+        )
         self._sequences = SequenceFactory(random.Random(config.seed))
         self.outputs = OutputProcessor(
             self.tokenizer,
@@ -144,7 +145,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished:
             return []
         self.check_can_generate()
-        self._invalidate_stale_prefix_cache()
+        self._kv_epoch.invalidate_if_stale()
         batch = self.scheduler.schedule()
         assert batch is not None
         step = batch.step_input(self.runtime.eos_token_ids)
@@ -273,7 +274,7 @@ class LLMEngine:
         statuses = self.executor.run(Command.MEMORY_STATUS)
         if isinstance(self.executor, UniprocExecutor):
             self._refresh_sleep_state()
-        self._invalidate_stale_prefix_cache()
+        self._kv_epoch.invalidate_if_stale()
         stats = self.scheduler.block_manager.prefix_cache_stats()
         spec = None if self.spec_decode_stats is None else self.spec_decode_stats.copy()
         return [EngineMemoryStatus.of(status, stats, spec) for status in statuses]
@@ -290,19 +291,6 @@ class LLMEngine:
 
     def _refresh_sleep_state(self) -> None:
         self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
-
-    def _invalidate_stale_prefix_cache(self) -> None:
-        """DESIGN §3 invariant 10, where it holds: cached KV was computed with the weights and
-        in the KV memory of ``_kv_epoch``; once any rank reports another epoch (a weight
-        written by any path, or KV backing memory discarded, since), every cached block is
-        dropped before anything can hit it. Runs before every schedule, the only place that
-        looks blocks up. Every path that writes weights or discards KV on a rank is seen: in
-        this process the ranks are asked afresh before each step (``check_can_generate``), and
-        commands to other processes report the ranks' state after they ran."""
-        epoch = self.sleep_control.kv_epoch
-        if epoch != self._kv_epoch:
-            self.scheduler.block_manager.reset_prefix_cache()
-            self._kv_epoch = epoch
 
 
 def _by_value(function: Callable[..., Any]) -> bytes:
