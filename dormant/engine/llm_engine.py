@@ -247,11 +247,7 @@ class LLMEngine:
             # Code of the caller's may write weights or KV memory by any means: cached KV is
             # dropped whatever it did (and whether or not it failed).
             try:
-                if callable(method):
-                    return self.refits.run(
-                        Command.CALL_FUNCTION, _by_value(method), tuple(args), kwargs
-                    )
-                return self.refits.run(Command.CALL_EXTENSION, method, tuple(args), kwargs)
+                return self.refits.run_callers_code(method, tuple(args), kwargs)
             finally:
                 self.reset_prefix_cache()
         command = PUBLIC_RPC[method]
@@ -291,10 +287,3 @@ class LLMEngine:
 
     def _refresh_sleep_state(self) -> None:
         self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
-
-
-def _by_value(function: Callable[..., Any]) -> bytes:
-    """A callable as cloudpickle bytes, so closures and lambdas reach worker processes too."""
-    import cloudpickle
-
-    return cloudpickle.dumps(function)

@@ -4,7 +4,8 @@ Every path runs on every rank and then asks the ranks which weights are still st
 them after a refit that failed partway: the worker's ``RefitRecord`` decides, not the engine).
 A refit that succeeds may set ``weight_version`` (SGLang's ``get_weight_version``). The prefix
 cache is the engine's to invalidate on any weight change, so ``flush_cache`` is accepted for
-SGLang's callers and needs no action here.
+SGLang's callers and needs no action here. The caller's own code (``run_callers_code``) may
+write weights by any means, so it runs the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ class WeightRefits:
         if weight_version is not None:
             self.weight_version = weight_version
         return results
+
+    def run_callers_code(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        """Runs a method of the ``worker_extension_cls`` (by name) or a callable ``fn(worker,
+        *args, **kwargs)`` on every rank, as ``run`` runs a refit. A callable is sent pickled
+        by value (cloudpickle), so closures and lambdas reach worker processes too."""
+        if callable(method):
+            import cloudpickle
+
+            return self.run(Command.CALL_FUNCTION, cloudpickle.dumps(method), args, kwargs)
+        return self.run(Command.CALL_EXTENSION, method, args, kwargs)
 
     def reload_weights(self, path: str | None = None, weight_version: str | None = None) -> Names:
         return self.run(Command.RELOAD_WEIGHTS, path, weight_version=weight_version)
