@@ -1,5 +1,6 @@
 """The memory manager (DESIGN §2), a facade: the tag state machine and its table are in
-``tag_machine.py``, the bytes move in ``transitions.py``. It stores no sleep state: a tag's state
+``tag_machine.py``, sleep and wake behind their preconditions in ``sleep_wake.py``, the bytes
+move in ``offload.py`` and ``transitions.py``. It stores no sleep state: a tag's state
 is derived from its allocations' states, the one store of truth. Errors are typed (errors.py).
 """
 
@@ -20,22 +21,16 @@ from dormant.memory.audit import AuditReport
 from dormant.memory.backend import Backend
 from dormant.memory.backends import open_backend
 from dormant.memory.blocks import BlockTable
-from dormant.memory.capture import TagPools, capture_scope, check_not_capturing, require_cuda
+from dormant.memory.capture import TagPools, capture_scope, require_cuda
 from dormant.memory.context_release import ContextRelease
 from dormant.memory.frontends import Frontends
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.offload import DiscardOrder
-from dormant.memory.policy import (
-    BUILTIN_TAGS,
-    CUDA_GRAPH,
-    Policy,
-    as_tag_list,
-    sleep_request,
-)
+from dormant.memory.policy import BUILTIN_TAGS, CUDA_GRAPH, Policy, sleep_request
 from dormant.memory.residual import ResidualLedger
 from dormant.memory.serial import SerialSection
 from dormant.memory.slab_rules import SlabRule, tag_slab_rules
-from dormant.memory.sleep_wake import prepare_host_copies, sleep_tags, wake_tags
+from dormant.memory.sleep_wake import SleepWake
 from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
 from dormant.memory.status_report import status_of
@@ -97,9 +92,8 @@ class MemoryManager:
         self.context = ContextRelease(self._serial, self.backend, self.residual.process_bytes)
         self._front = Frontends(self._table, self._serial, self.context)
         self._user_tags = self._front.user_tags
-        self._op, self._check_tags = self._front.op, self._front.check_tags
-        self.last_sleep: SleepReport | None = None
-        self.last_wake: WakeReport | None = None
+        self._check_tags = self._front.check_tags
+        self._sleep_wake = SleepWake(self._table, self._front, self._guard, self.context)
         self._finalizer = weakref.finalize(self, device_slots.give_back, self.backend.device_key)
 
     @property
@@ -237,18 +231,12 @@ class MemoryManager:
         failed driver call raises SleepFailedError; repeating the sleep completes it.
         """
         request = sleep_request(level, tags, self._user_tags)
-        check_not_capturing("sleep()")
-        with self._op():
-            self._check_tags(request)
-            self._guard.verify()
-            self.last_sleep = sleep_tags(
-                self._table,
-                request,
-                strict=self.strict,
-                skip_unchanged=self.skip_unchanged,
-                discard_order=self._discard_order,
-            )
-            return self.last_sleep
+        return self._sleep_wake.sleep(
+            request,
+            strict=self.strict,
+            skip_unchanged=self.skip_unchanged,
+            discard_order=self._discard_order,
+        )
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
         """Wakes ``tags`` (default: all) at their own addresses; waking an AWAKE tag is a no-op.
@@ -258,15 +246,7 @@ class MemoryManager:
         bytes were needed and how many were free (another driver failure: WakeFailedError).
         ``WakeReport.lost`` lists contents that could not be restored (see WakeReport).
         """
-        check_not_capturing("wake_up()")
-        self.context.restore()  # a released CUDA context comes back first
-        with self._op():
-            names = list(self.tags) if tags is None else self._check_tags(as_tag_list(tags))
-            self._guard.verify()
-            self.last_wake = wake_tags(
-                self._table, names, poison=self.poison, keep_arena=self.keep_arena
-            )
-            return self.last_wake
+        return self._sleep_wake.wake(tags, poison=self.poison, keep_arena=self.keep_arena)
 
     def prepare_arena(
         self,
@@ -281,12 +261,19 @@ class MemoryManager:
         memory exists (an engine: after loading the model and capturing its graphs). A failed
         preparation changes nothing: ``wait()`` on it raises, and the next sleep grows the arena.
         """
-        request = sleep_request(level, tags, self._user_tags)
-        with self._op():
-            self._check_tags(request)
-            return prepare_host_copies(self._table, request, num_threads)
+        return self._sleep_wake.prepare(sleep_request(level, tags, self._user_tags), num_threads)
 
     # ── status and lifetime ───────────────────────────────────────────────────────────────────
+    @property
+    def last_sleep(self) -> SleepReport | None:
+        """The report of the last sleep that completed; None before one."""
+        return self._sleep_wake.last_sleep
+
+    @property
+    def last_wake(self) -> WakeReport | None:
+        """The report of the last wake that completed; None before one."""
+        return self._sleep_wake.last_wake
+
     def status(self) -> MemoryStatus:
         """Tags, the last reports and the residual by owner (residual.py); while the CUDA
         context is released, from NVML alone (no CUDA call could answer)."""
