@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dormant.memory.backend import Backend
 from dormant.memory.errors import MemoryLayerError
 
 _ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -67,7 +68,8 @@ def check_not_capturing(what: str) -> None:
 
 
 class TagPools:
-    """One MemPool per tag, allocating through ``alloc(nbytes, tag)`` / ``free(address)``.
+    """One MemPool per tag, allocating through ``alloc(nbytes, tag)`` / ``free(address)``; only on
+    the cuda backend, only for tags ``check_tags`` knows (it raises for others).
 
     The callbacks and allocators live as long as the process (a pool may outlive this object
     while a graph still uses it). The pools themselves are dropped by ``release`` when the manager
@@ -75,15 +77,32 @@ class TagPools:
     that interpreter teardown never destroys one and calls back into Python.
     """
 
-    def __init__(self, alloc: Callable[[int, str], int], free: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        alloc: Callable[[int, str], int],
+        free: Callable[[int], None],
+        backend: Backend,
+        check_tags: Callable[[list[str]], object],
+    ) -> None:
         self._alloc, self._free = alloc, free
+        self._device, self._check_tags = backend.device, check_tags
         self._pools: dict[str, torch.cuda.MemPool] = {}
         _live_tag_pools.add(self)
 
-    def pool(self, tag: str) -> torch.cuda.MemPool:
+    def pool(self, tag: str, what: str = "graph_pool()") -> torch.cuda.MemPool:
+        """The pool of ``tag``. Raises MemoryLayerError off the cuda backend (``what`` names the
+        refused call), and what ``check_tags`` raises for an unknown tag."""
+        require_cuda(self._device, what)
+        self._check_tags([tag])
         if tag not in self._pools:
             self._pools[tag] = self._make_pool(tag)
         return self._pools[tag]
+
+    @contextmanager
+    def capture(self, tag: str) -> Iterator[None]:
+        """``capture_scope`` into the pool of ``tag`` (its checks first)."""
+        with capture_scope(self.pool(tag, "capture()")):
+            yield
 
     def _make_pool(self, tag: str) -> torch.cuda.MemPool:
         exiting = _exiting

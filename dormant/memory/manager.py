@@ -21,7 +21,7 @@ from dormant.memory.audit import AuditReport
 from dormant.memory.backend import Backend
 from dormant.memory.backends import open_backend
 from dormant.memory.blocks import BlockTable
-from dormant.memory.capture import TagPools, capture_scope, require_cuda
+from dormant.memory.capture import TagPools
 from dormant.memory.context_release import ContextRelease
 from dormant.memory.frontends import Frontends
 from dormant.memory.guard import PointerGuard, TensorSource
@@ -87,12 +87,12 @@ class MemoryManager:
             self._table.add_tag(tag)
         self._guard = PointerGuard()
         self._serial = SerialSection()
-        self._tag_pools = TagPools(self.raw_alloc, self.raw_free)
         self.residual = ResidualLedger(self._table, self._serial)  # the residual, by owner
         self.context = ContextRelease(self._serial, self.backend, self.residual.process_bytes)
         self._front = Frontends(self._table, self._serial, self.context)
         self._user_tags = self._front.user_tags
         self._check_tags = self._front.check_tags
+        self._tag_pools = TagPools(self.raw_alloc, self.raw_free, self.backend, self._check_tags)
         self._sleep_wake = SleepWake(self._table, self._front, self._guard, self.context)
         self._finalizer = weakref.finalize(self, device_slots.give_back, self.backend.device_key)
 
@@ -184,17 +184,13 @@ class MemoryManager:
         The memory is undeclared: the audit lists it and strict mode refuses to discard it until
         ``declare_backing``. Do not call ``sleep``/``wake_up`` inside the scope.
         """
-        require_cuda(self.backend.device, "capture()")
-        self._check_tags([tag])
-        with capture_scope(self._tag_pools.pool(tag)):
+        with self._tag_pools.capture(tag):
             yield
 
     def graph_pool(self, tag: str = CUDA_GRAPH) -> torch.cuda.MemPool:
         """The MemPool of ``tag``, for ``torch.cuda.graph(g, pool=mm.graph_pool().id)``: the
         graph's private memory then sleeps with ``tag`` (HOST at every level by default)."""
-        require_cuda(self.backend.device, "graph_pool()")
-        self._check_tags([tag])
-        return self._tag_pools.pool(tag)
+        return self._tag_pools.pool(tag, "graph_pool()")
 
     # ── safety tools ──────────────────────────────────────────────────────────────────────────
     def audit(self, tags: Iterable[str] | None = None) -> AuditReport:
