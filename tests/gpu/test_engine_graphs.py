@@ -4,7 +4,6 @@ identical, layout pointers unchanged, no recapture; a soak; the residual while a
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -15,6 +14,7 @@ from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
 from dormant.engine.batch import ScheduledBatch
 from tests.engine.conftest import PROMPTS, write_checkpoint
+from tests.gpu.conftest import make_engine
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -25,23 +25,6 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     return write_checkpoint(tmp_path_factory.mktemp("graph_ckpt"), seed=1)
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.shutdown()
-
-
-def make(engines: list[LLM], checkpoint, **options: object) -> LLM:
-    defaults = dict(
-        device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * MiB
-    )
-    llm = LLM(str(checkpoint), **{**defaults, **options})  # type: ignore[arg-type]
-    engines.append(llm)
-    return llm
 
 
 def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[int, ...]]:
@@ -88,7 +71,7 @@ def cycle(llm: LLM, level: int) -> None:
 def test_lifecycle_with_full_and_multi_step_graphs(
     engines, checkpoint, kv_cache_dtype, poison, level
 ) -> None:
-    llm = make(
+    llm = make_engine(
         engines, checkpoint, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, memory_poison=poison
     )
     assert llm.llm_engine.executor.worker.runner.graphs is not None
@@ -106,7 +89,7 @@ def test_lifecycle_with_full_and_multi_step_graphs(
 def test_greedy_decodes_run_through_the_multi_step_graph(engines, checkpoint) -> None:
     """The scheduler hands greedy decode batches to the fused graph, 4 steps per replay; the
     tokens equal those of an engine that runs one FULL graph per step."""
-    llm = make(engines, checkpoint)
+    llm = make_engine(engines, checkpoint)
     executor = llm.llm_engine.executor
     replays: list[int] = []
     run_multi_step = executor.execute_multi_step
@@ -119,18 +102,18 @@ def test_greedy_decodes_run_through_the_multi_step_graph(engines, checkpoint) ->
     multi = tokens(llm)
     assert replays == [len(PROMPTS)] * 3  # 1 prefill token, 3 x 4 fused, then 3 single steps
     engines.pop().shutdown()  # one engine per GPU at a time
-    assert multi == tokens(make(engines, checkpoint, cuda_graph_multi_steps=1))
+    assert multi == tokens(make_engine(engines, checkpoint, cuda_graph_multi_steps=1))
 
 
 def test_graphs_decode_what_eager_decodes(engines, checkpoint) -> None:
-    graphs = tokens(make(engines, checkpoint))
+    graphs = tokens(make_engine(engines, checkpoint))
     engines.pop().shutdown()
-    eager = tokens(make(engines, checkpoint, enforce_eager=True))
+    eager = tokens(make_engine(engines, checkpoint, enforce_eager=True))
     assert graphs == eager
 
 
 def test_soak_200_cycles(engines, checkpoint) -> None:
-    llm = make(engines, checkpoint, memory_poison=True)
+    llm = make_engine(engines, checkpoint, memory_poison=True)
     expected = tokens(llm)
     rng = random.Random(0)
     process = psutil.Process()
@@ -159,7 +142,7 @@ def test_soak_200_cycles(engines, checkpoint) -> None:
 def test_residual_while_fully_asleep(engines, checkpoint) -> None:
     torch.cuda.empty_cache()
     free_before, _ = torch.cuda.mem_get_info()
-    llm = make(engines, checkpoint, dtype="bfloat16")
+    llm = make_engine(engines, checkpoint, dtype="bfloat16")
     tokens(llm)
     llm.sleep(level=2)
     free_asleep, _ = torch.cuda.mem_get_info()

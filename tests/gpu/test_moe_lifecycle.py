@@ -19,6 +19,7 @@ from dormant import LLM, SamplingParams
 from dormant.worker.ipc_weights import FLATTENED_BUCKET, flattened_bucket_request
 from tests.engine.conftest import PROMPTS
 from tests.engine.moe_checkpoint import moe_state_dict, write_moe_checkpoint
+from tests.gpu.conftest import make_engine
 from tests.gpu.test_engine_graphs import graph_visible, multi_step_tokens
 
 pytestmark = pytest.mark.gpu
@@ -42,20 +43,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def engines() -> Iterator[list[LLM]]:
+    """Overrides the shared fixture (conftest.py): torch's cached blocks are freed too."""
     made: list[LLM] = []
     yield made
     for llm in made:
         llm.shutdown()
     torch.cuda.empty_cache()
-
-
-def make(engines: list[LLM], checkpoint: Path, **options: object) -> LLM:
-    defaults = dict(
-        device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * MiB
-    )
-    llm = LLM(str(checkpoint), **{**defaults, **options})  # type: ignore[arg-type]
-    engines.append(llm)
-    return llm
 
 
 def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[int, ...]]:
@@ -88,7 +81,7 @@ def cycle(llm: LLM, level: int, refit_from: Path) -> None:
 def test_moe_lifecycle_with_full_and_multi_step_graphs(
     engines, checkpoints, kv_cache_dtype: str, level: int
 ) -> None:
-    llm = make(
+    llm = make_engine(
         engines, checkpoints[0], dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
         memory_poison=True,
     )  # fmt: skip
@@ -106,19 +99,19 @@ def test_moe_lifecycle_with_full_and_multi_step_graphs(
 
 
 def test_moe_refit_to_new_weights_equals_a_fresh_engine(engines, checkpoints) -> None:
-    fresh = make(engines, checkpoints[1], dtype="bfloat16")
+    fresh = make_engine(engines, checkpoints[1], dtype="bfloat16")
     expected = tokens(fresh)
     engines.pop().shutdown()  # one engine per GPU at a time
-    llm = make(engines, checkpoints[0], dtype="bfloat16")
+    llm = make_engine(engines, checkpoints[0], dtype="bfloat16")
     before = tokens(llm)
     cycle(llm, 2, refit_from=checkpoints[1])
     assert tokens(llm) == expected != before
 
 
 def test_moe_graphs_decode_what_eager_decodes(engines, checkpoints) -> None:
-    graphs = tokens(make(engines, checkpoints[0]))
+    graphs = tokens(make_engine(engines, checkpoints[0]))
     engines.pop().shutdown()
-    assert graphs == tokens(make(engines, checkpoints[0], enforce_eager=True))
+    assert graphs == tokens(make_engine(engines, checkpoints[0], enforce_eager=True))
 
 
 def _trainer(conn: Connection, checkpoint: str) -> None:
@@ -132,9 +125,9 @@ def _trainer(conn: Connection, checkpoint: str) -> None:
 def test_moe_ipc_refit_after_level_2_equals_a_fresh_engine(engines, checkpoints) -> None:
     """A trainer process on the same GPU sends every expert by name as one flattened bucket
     of CUDA IPC handles (SGLang's format)."""
-    expected = tokens(make(engines, checkpoints[1]))
+    expected = tokens(make_engine(engines, checkpoints[1]))
     engines.pop().shutdown()
-    llm = make(engines, checkpoints[0])
+    llm = make_engine(engines, checkpoints[0])
     llm.sleep(level=2)
     llm.wake_up(["weights"])
     context = mp.get_context("spawn")

@@ -5,12 +5,11 @@ prefills."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from dormant import LLM, SamplingParams
 from tests.engine.conftest import hf_state_dict, write_checkpoint
+from tests.gpu.conftest import make_engine
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -18,6 +17,7 @@ BASE = [(17 * i + 3) % 500 + 1 for i in range(70)]  # 4 full blocks of 16, and 6
 PROMPTS = [BASE, BASE[:40], [*BASE[:50], 9, 8, 7], [5, 6, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
 SEEDED = SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=24, ignore_eos=True)
+ROOMIER = dict(max_num_seqs=16, kv_cache_memory_bytes=32 * MiB)  # n=4 samples of 4 prompts
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +28,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     )
 
 
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.shutdown()
-
-
 def make(engines: list[LLM], checkpoint, **options: object) -> LLM:
-    defaults = dict(
-        device="cuda", max_model_len=256, max_num_seqs=16, kv_cache_memory_bytes=32 * MiB
-    )
-    llm = LLM(str(checkpoint), **{**defaults, **options})  # type: ignore[arg-type]
-    engines.append(llm)
-    return llm
+    """``make_engine`` with ``ROOMIER`` (``options`` win)."""
+    return make_engine(engines, checkpoint, **{**ROOMIER, **options})
 
 
 def samples(llm: LLM, params: SamplingParams) -> list[list[tuple[int, ...]]]:

@@ -1,0 +1,36 @@
+"""What the GPU engine tests share: small engines on the GPU, each shut down when its test ends.
+
+A test takes the ``engines`` fixture and makes its engines with ``make_engine(engines,
+checkpoint, **options)``; ``options`` override ``ENGINE_DEFAULTS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dormant import LLM
+
+MiB = 1 << 20
+ENGINE_DEFAULTS = dict(
+    device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * MiB
+)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLM]]:
+    """The engines a test made with ``make_engine``; shut down, in order, when it ends."""
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        llm.shutdown()
+
+
+def make_engine(engines: list[LLM], checkpoint: Path | str, **options: object) -> LLM:
+    """An engine of ``checkpoint`` with ``ENGINE_DEFAULTS`` and ``options`` (which win), added
+    to ``engines``."""
+    llm = LLM(str(checkpoint), **{**ENGINE_DEFAULTS, **options})  # type: ignore[arg-type]
+    engines.append(llm)
+    return llm
