@@ -301,7 +301,10 @@ def _flattened_bucket_trainer(port: int, checkpoint: Path, conn: Connection) -> 
 
 @dataclass
 class FlattenedTensorMetadata:
-    """SGLang's bucket metadata (sglang/srt/weight_sync/tensor_bucket.py): byte offsets."""
+    """SGLang's bucket metadata (sglang/srt/weight_sync/tensor_bucket.py): byte offsets.
+
+    A copy on purpose, not ``dormant.worker.ipc_payload``'s: a trainer pickles its own class
+    (SGLang's, or slime's copy) from its own module, and the engine must resolve it by name."""
 
     name: str
     shape: torch.Size
