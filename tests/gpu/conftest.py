@@ -1,4 +1,5 @@
-"""What the GPU engine tests share: small engines on the GPU, each shut down when its test ends.
+"""What the GPU tests share: small engines on the GPU, each shut down when its test ends, and a
+poisoning memory manager on the cuda backend (``cuda_mm``).
 
 A test takes the ``engines`` fixture and makes its engines with ``make_engine(engines,
 checkpoint, **options)``; ``options`` override ``ENGINE_DEFAULTS``.
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dormant import LLM
+from dormant.memory import MemoryManager
 
 MiB = 1 << 20
 ENGINE_DEFAULTS = dict(
@@ -26,6 +28,14 @@ def engines() -> Iterator[list[LLM]]:
     yield made
     for llm in made:
         llm.shutdown()
+
+
+@pytest.fixture
+def cuda_mm() -> Iterator[MemoryManager]:
+    """A MemoryManager on the cuda backend in poison mode, closed when the test ends."""
+    mm = MemoryManager("cuda", poison=True)
+    yield mm
+    mm.close()
 
 
 def make_engine(engines: list[LLM], checkpoint: Path | str, **options: object) -> LLM:

@@ -5,7 +5,7 @@ sleep) bring every byte back. The exhaustive sweep runs on the host backend
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,13 +22,6 @@ from tests.memory.helpers import random_fill, same_bytes
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
-
-
-@pytest.fixture
-def cuda_mm() -> Iterator[MemoryManager]:
-    mm = MemoryManager("cuda", poison=True)
-    yield mm
-    mm.close()
 
 
 def fail_release_once(mm: MemoryManager, monkeypatch: pytest.MonkeyPatch, k: int) -> list[int]:

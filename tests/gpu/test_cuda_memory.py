@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,13 +16,6 @@ from tests.memory.helpers import random_fill, same_bytes
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
-
-
-@pytest.fixture
-def cuda_mm() -> Iterator[MemoryManager]:
-    mm = MemoryManager("cuda", poison=True)
-    yield mm
-    mm.close()
 
 
 def capture_linear(mm: MemoryManager) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
