@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_output import SeqOutput, TokenLogprobs
+from dormant.engine.logprob_positions import LogprobPositions
 from dormant.engine.outputs import (
     CompletionOutput,
-    Logprob,
     LogprobsOnePosition,
     PromptLogprobs,
     RequestOutput,
@@ -88,7 +88,7 @@ class OutputProcessor:
         self._requests: dict[int, RequestState] = {}
         # Each tracked sequence's request and its own sample (looked up once per token).
         self._sample_of_seq: dict[int, tuple[RequestState, SampleState]] = {}
-        self._texts: dict[int, str] = {}  # ``_text``'s memo: at most one entry per id
+        self._positions = LogprobPositions(tokenizer)
 
     def add(
         self,
@@ -194,19 +194,9 @@ class OutputProcessor:
         entries: SequenceOf[TokenLogprobs],
     ) -> None:
         assert sample.logprobs is not None and sample.cumulative_logprob is not None
-        k = _as_count(state.params.logprobs)
-        for token_id, entry in zip(token_ids, entries, strict=True):
-            if entry.token_ids[0] != token_id:
-                raise RuntimeError(
-                    f"request {state.request_id}: the worker's logprobs are for token "
-                    f"{entry.token_ids[0]} but token {token_id} was sampled"
-                )
-            if k == 0 or len(entry.token_ids) == 1:  # logprobs=0, as RL rollouts ask: built here
-                text = self._text(token_id)
-                position = {token_id: Logprob(entry.logprobs[0], entry.ranks[0], text)}
-            else:
-                position = self._position(entry, k)
-            sample.logprobs.append(position)
+        num = state.params.logprobs
+        sample.logprobs += self._positions.sampled(state.request_id, num, token_ids, entries)
+        for entry in entries:  # one addition per token, in order, as vLLM sums them
             sample.cumulative_logprob += entry.logprobs[0]
 
     def _record_prompt_logprobs(
@@ -215,33 +205,7 @@ class OutputProcessor:
         logprobs = state.prompt_logprobs
         if logprobs is None or len(logprobs) > 1:  # not asked for, or recorded already
             return
-        k = _as_count(state.params.prompt_logprobs)
-        logprobs.extend(self._position(entry, k) for entry in entries)
-
-    def _position(self, entry: TokenLogprobs, k: int | None) -> LogprobsOnePosition:
-        """The chosen token (its own rank), then the top ``k`` (all when None), as vLLM."""
-        num = len(entry.token_ids) if k is None else min(1 + k, len(entry.token_ids))
-        token_ids = entry.token_ids[:num]
-        texts = (
-            self.tokenizer.decode_each(token_ids) if self.tokenizer is not None else [None] * num
-        )
-        # The chosen token first; re-inserting it from the top-k keeps its position.
-        return {
-            token_id: Logprob(logprob, rank, text)
-            for token_id, logprob, rank, text in zip(
-                token_ids, entry.logprobs[:num], entry.ranks[:num], texts, strict=True
-            )
-        }
-
-    def _text(self, token_id: int) -> str | None:
-        """``decode_each``'s text of one id (None without a tokenizer), memoized: it is the
-        id's own text, whatever surrounds it."""
-        if self.tokenizer is None:
-            return None
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode_each((token_id,))[0]
-        return text
+        logprobs.extend(self._positions.prompt(state.params.prompt_logprobs, entries))
 
     def _build(self, state: RequestState) -> RequestOutput:
         params = state.params
@@ -287,13 +251,6 @@ class OutputProcessor:
             return None
         epoch = None if self._weight_epoch is None else self._weight_epoch()
         return self._weight_version(), epoch
-
-
-def _as_count(num_logprobs: int | None) -> int | None:
-    """The top-k count of a ``logprobs`` value: None for -1 (every entry the worker sent)."""
-    if num_logprobs is None or num_logprobs == -1:
-        return None
-    return int(num_logprobs)  # True counts as 1, as in vLLM
 
 
 def _cut_at_stop_string(
