@@ -22,13 +22,15 @@ order, so overlapping writes (an alias beside its names) keep ``load_weights``'s
 
 Invariants: a plan is only built from entries ``check_weights`` accepted (errors are raised at
 build time, before any write, and such a plan is never cached); a plan is used only while its
-model's weight table and every destination storage address are the ones it was built against
-(``is_valid_for``), else it is built again.
+model's weight table and every destination storage address are the ones it was built against,
+and every destination sits where it sat in its storage (``is_valid_for``), else it is built
+again. Lookups are cheap when nothing changed: ``bucket_items`` gives the same ``BucketLayout``
+object for the same metadata, whose hash is computed once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -53,6 +55,24 @@ class BucketItem:
     dtype: torch.dtype
     start: int
     nbytes: int
+
+
+class BucketLayout(tuple[BucketItem, ...]):
+    """A bucket's items as one key: its hash is computed once, so a plan lookup with the layout
+    ``bucket_items`` keeps for the bucket's metadata hashes no item (and compares by identity)."""
+
+    _hash: int
+
+    def __new__(cls, items: Iterable[BucketItem] = ()) -> BucketLayout:
+        layout = super().__new__(cls, items)
+        layout._hash = tuple.__hash__(layout)
+        return layout
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or tuple.__eq__(self, other)
 
 
 def source_view(flat_bytes: Tensor, start: int, nbytes: int, dtype: torch.dtype) -> Tensor:
@@ -112,16 +132,27 @@ class CopyPlan:
     names: frozenset[str]  # what a run writes (an alias: the names it covers)
     num_bytes: int  # the buffer must hold at least this many bytes
     table: dict[str, WeightTarget]
-    addresses: tuple[tuple[Tensor, int], ...]  # (target tensor, its storage address)
+    targets: tuple[Tensor, ...]  # the parameters (and buffers) the plan writes
+    addresses: tuple[int, ...]  # each target's data address
+    offsets: tuple[int, ...]  # each target's offset in its storage (elements)
+    devices: frozenset[torch.device]  # the targets'
 
     @property
     def num_copies(self) -> int:
         return len(self.steps)
 
     def is_valid_for(self, model: CausalLM) -> bool:
-        """False once the model was re-materialised (a new table, a parameter's memory moved)."""
-        return model.weight_table() is self.table and all(
-            t.untyped_storage().data_ptr() == address for t, address in self.addresses
+        """False once the model was re-materialised (a new table), or a target's memory moved:
+        its storage (``param.data = ...``, a re-adoption) or its place in it (two parameters'
+        ``data`` swapped within one pool block). A target's storage address is its data
+        address less its offset, so equal data addresses and offsets are equal storage
+        addresses too. The model has no hook for ``param.data = ...``, so every target is read:
+        two C calls each, no Python per target."""
+        targets = self.targets
+        return (
+            model.weight_table() is self.table
+            and tuple(map(Tensor.data_ptr, targets)) == self.addresses
+            and tuple(map(Tensor.storage_offset, targets)) == self.offsets
         )
 
     def run(self, model: CausalLM, flat_bytes: Tensor) -> set[str]:
@@ -140,7 +171,7 @@ class CopyPlan:
             with torch.no_grad():
                 for step in self.steps:
                     step.run(flat_bytes)
-            wait_for_copies({flat_bytes.device, *(t.device for t, _ in self.addresses)})
+            wait_for_copies({flat_bytes.device, *self.devices})
         except BaseException as error:
             if observer is not None:
                 observer.failed()
@@ -181,9 +212,14 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
             spans.append(_LoaderCall(item, target))
             continue
         spans.extend(_step_of(item, dst, src, storages) for dst, src in copies if dst.numel())
-    addresses = tuple((t, t.untyped_storage().data_ptr()) for t in targets.values())
+    tensors = tuple(targets.values())
+    addresses = tuple(t.data_ptr() for t in tensors)
+    offsets = tuple(int(t.storage_offset()) for t in tensors)
     num_bytes = max((item.start + item.nbytes for item in items), default=0)
-    return CopyPlan(_merged(spans), frozenset(names), num_bytes, table, addresses)
+    devices = frozenset(t.device for t in tensors)
+    return CopyPlan(
+        _merged(spans), frozenset(names), num_bytes, table, tensors, addresses, offsets, devices
+    )
 
 
 class CopyPlans:
@@ -196,8 +232,12 @@ class CopyPlans:
         self.num_built = 0
 
     def get(self, model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
-        plans = self._plans.setdefault(model, {})
-        key = tuple(items)
+        """The plan of ``items`` for ``model``: the kept one while it is valid for the model
+        (``is_valid_for``), else a new one (``build_plan``: raises before anything is kept)."""
+        plans = self._plans.get(model)
+        if plans is None:
+            plans = self._plans[model] = {}
+        key = items if isinstance(items, BucketLayout) else BucketLayout(items)
         plan = plans.get(key)
         if plan is None or not plan.is_valid_for(model):
             plan = build_plan(model, items)  # raises before anything is cached

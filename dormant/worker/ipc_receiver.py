@@ -10,6 +10,9 @@ handle 0.43 ms, unflattening 0.17, enqueueing ~13 copies 0.33, closing the handl
                                  storages stay open until the next one   buffer (verl's way)
     unflatten, validate, trace   ``CopyPlans``: one plan per bucket       every refit but the first
                                  layout, built once                       of a bucket layout
+    read the metadata, find      ``bucket_items`` keeps the layout of     the same metadata values
+    the plan                     each metadata (by value): the plan is    (every refit but the
+                                 found by the layout's kept hash          first)
     one copy per tensor          the plan's merged runs                   tensors adjacent in the
                                                                           bucket and in the pool
 
@@ -40,7 +43,7 @@ from torch.multiprocessing import reductions
 from dormant.core.commands import Command
 from dormant.core.errors import UnsupportedOptionError
 from dormant.models import CausalLM
-from dormant.worker.copy_plan import BucketItem, CopyPlans
+from dormant.worker.copy_plan import BucketItem, BucketLayout, CopyPlans
 from dormant.worker.ipc_payload import (
     LocalSerializedTensor,
     SerializedEntry,
@@ -166,7 +169,7 @@ class IpcReceiver:
         return written
 
     def _run_bucket(
-        self, routes: WeightRoutes, flat_bytes: Tensor, items: list[BucketItem]
+        self, routes: WeightRoutes, flat_bytes: Tensor, items: BucketLayout
     ) -> set[str]:
         """Plans the target's entries against the target and the draft's against the draft
         (both plans built, so every entry validated, before either runs), then runs them."""
@@ -203,9 +206,12 @@ def update_weights_from_tensor(
 
 
 def _split_items(
-    routes: WeightRoutes, items: list[BucketItem]
-) -> tuple[list[BucketItem], list[BucketItem]]:
-    """``(target's, draft's)`` items of a bucket, the draft's under the draft model's names."""
+    routes: WeightRoutes, items: BucketLayout
+) -> tuple[Sequence[BucketItem], Sequence[BucketItem]]:
+    """``(target's, draft's)`` items of a bucket, the draft's under the draft model's names.
+    Without a draft, the layout itself is the target's (its plan is found by identity)."""
+    if routes.draft is None:
+        return items, ()
     target, draft = routes.split((item.name, item) for item in items)
     return [item for _, item in target], [replace(item, name=name) for name, item in draft]
 

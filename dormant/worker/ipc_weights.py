@@ -28,6 +28,7 @@ import base64
 import io
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ import torch.multiprocessing  # registers the tensor reductions with ForkingPick
 from torch import Tensor
 
 from dormant.models import CausalLM, WeightError
-from dormant.worker.copy_plan import BucketItem, source_view, wait_for_copies
+from dormant.worker.copy_plan import BucketItem, BucketLayout, source_view, wait_for_copies
 from dormant.worker.ipc_payload import FlattenedTensorMetadata, SerializedEntry
 from dormant.worker.transfer_errors import WeightTransferError
 
@@ -150,12 +151,18 @@ def apply_named_tensors(model: CausalLM, named: NamedTensors) -> set[str]:
     return written
 
 
-def bucket_items(payload: Any) -> tuple[Tensor, list[BucketItem]]:
+def bucket_items(payload: Any) -> tuple[Tensor, BucketLayout]:
     """The buffer of a flattened bucket as uint8 bytes, and its tensors' byte ranges. Raises
     ``WeightTransferError`` when the metadata does not fit the buffer (nothing was written).
 
     A uint8 buffer has byte offsets and each slice is viewed as its dtype; any other buffer
-    dtype has element offsets and every slice is of that dtype (SGLang's older bucket)."""
+    dtype has element offsets and every slice is of that dtype (SGLang's older bucket).
+
+    The layout depends only on the metadata's fields and the buffer's dtype, so the last
+    ``MAX_LAYOUTS`` distinct ones are kept, keyed by those values (never by an object's
+    identity): a trainer that sends the same buckets every refit gets the same ``BucketLayout``
+    object back (``CopyPlans`` then finds its plan without hashing an item). Only the check
+    against the buffer's length depends on the buffer: it is made on every call."""
     if not isinstance(payload, Mapping) or not {"flattened_tensor", "metadata"} <= payload.keys():
         raise WeightTransferError(
             "a flattened_bucket entry must be a dict with 'flattened_tensor' and 'metadata', "
@@ -166,9 +173,41 @@ def bucket_items(payload: Any) -> tuple[Tensor, list[BucketItem]]:
         raise WeightTransferError(
             "'flattened_tensor' must be a contiguous 1-D tensor; nothing was written"
         )
+    key = _layout_key(flat.dtype, payload["metadata"])
+    try:
+        kept = _LAYOUTS.get(key) if key is not None else None
+    except TypeError:  # an unhashable field (a list for a shape): not kept
+        key = kept = None
+    if kept is not None and kept[1] <= flat.numel():
+        return flat.view(torch.uint8), kept[0]
+    layout, end = _layout(flat, payload["metadata"])
+    if key is not None:
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
+            del _LAYOUTS[next(iter(_LAYOUTS))]
+        _LAYOUTS[key] = (layout, end)
+    return flat.view(torch.uint8), layout
+
+
+MAX_LAYOUTS = 4096  # distinct bucket layouts kept by ``bucket_items``; the oldest goes first
+_LAYOUTS: dict[tuple[Any, ...], tuple[BucketLayout, int]] = {}  # key -> (layout, its end)
+_METADATA_FIELDS = attrgetter("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+
+def _layout_key(flat_dtype: torch.dtype, metadata: Any) -> tuple[Any, ...] | None:
+    """The values a bucket's layout is made of (equal values, equal layouts), or None for
+    metadata that is not a list of ``FlattenedTensorMetadata`` (dicts: read, not kept)."""
+    if type(metadata) is not list or not all(
+        type(meta) is FlattenedTensorMetadata for meta in metadata
+    ):
+        return None
+    return (flat_dtype, *map(_METADATA_FIELDS, metadata))
+
+
+def _layout(flat: Tensor, metadata: Any) -> tuple[BucketLayout, int]:
+    """The bucket's items, validated against ``flat``, and the end of the last (elements)."""
     is_bytes, unit = flat.dtype == torch.uint8, flat.element_size()
-    items = []
-    for meta in map(_as_metadata, payload["metadata"]):
+    items, last = [], 0
+    for meta in map(_as_metadata, metadata):
         start, end, shape = int(meta.start_idx), int(meta.end_idx), torch.Size(meta.shape)
         dtype = meta.dtype if is_bytes else flat.dtype
         expected = shape.numel() * (dtype.itemsize if is_bytes else 1)
@@ -179,7 +218,8 @@ def bucket_items(payload: Any) -> tuple[Tensor, list[BucketItem]]:
                 "nothing was written"
             )
         items.append(BucketItem(meta.name, shape, dtype, start * unit, (end - start) * unit))
-    return flat.view(torch.uint8), items
+        last = max(last, end)
+    return BucketLayout(items), last
 
 
 def unflatten_bucket(payload: Any) -> NamedTensors:
