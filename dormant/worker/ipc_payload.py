@@ -116,6 +116,8 @@ _RENAMED_CLASSES = {
     "FlattenedTensorMetadata": FlattenedTensorMetadata,
     "LocalSerializedTensor": LocalSerializedTensor,
 }
+# What an allowed global resolved to, so that each payload skips the import machinery.
+_RESOLVED: dict[tuple[str, str], Any] = {}
 _CUDA_REBUILDERS = {(_REDUCTIONS, "rebuild_cuda_tensor"), (None, "_rebuild_cuda_tensor_modified")}
 
 
@@ -134,10 +136,16 @@ class _PayloadUnpickler(pickle.Unpickler):
             return self._rebuild_cuda
         if name in _RENAMED_CLASSES:
             return _RENAMED_CLASSES[name]
+        resolved = _RESOLVED.get((module, name))
+        if resolved is not None:
+            return resolved
         if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            resolved = super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            resolved = getattr(torch, name)
+        if resolved is not None:
+            _RESOLVED[(module, name)] = resolved  # torch's classes, rebuilders and dtypes
+            return resolved
         raise pickle.UnpicklingError(
             f"refused to load {module}.{name}: a weight update carries only tensor handles "
             "and bucket metadata"
