@@ -2,8 +2,9 @@
 
 A step runs (``worker/spec_step.py``): the draft's catch-up pass over every row, ``k_max - 1``
 chained draft passes over the rows still drafting, then the target's pass (through the model
-runner's own input buffers). Every position of every pass is known on the host before the step
-starts, whatever the drafts turn out to be: the ``i``-th draft of a row sits at position
+runner's own input buffers); each draft pass's metadata is a ``PassLayout``
+(``pass_layout.py``). Every position of every pass is known on the host before the step starts,
+whatever the drafts turn out to be: the ``i``-th draft of a row sits at position
 ``start_position + i``. So the metadata of all passes, and the index tensors that route drafts
 and logits between them, are built here at once and copied with one non-blocking transfer;
 only token *values* (the drafts) are written on the device.
@@ -52,71 +53,7 @@ import numpy as np
 import torch
 
 from dormant.core.step_input import SeqInput
-from dormant.layers.context import AttentionMetadata
-
-
-@dataclass(frozen=True)
-class PassLayout:
-    """One forward pass's attention metadata on the host: row ``r`` computes ``lengths[r]``
-    positions from ``starts[r]``, in blocks ``tables[r]``."""
-
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
-    block_tables: np.ndarray  # [n * width]
-    width: int
-    max_query_len: int
-    max_seq_len: int
-
-    @classmethod
-    def of(
-        cls,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        tables: SequenceOf[tuple[int, ...]],
-        block_size: int,
-    ) -> PassLayout:
-        num_rows = len(tables)
-        width = max(len(t) for t in tables)
-        table = np.zeros((num_rows, width), np.int64)
-        for row, row_blocks in enumerate(tables):
-            table[row, : len(row_blocks)] = row_blocks
-        cu = np.zeros(num_rows + 1, np.int64)
-        np.cumsum(lengths, out=cu[1:])
-        row_of = np.repeat(np.arange(num_rows), lengths)
-        positions = starts[row_of] + np.arange(cu[-1]) - cu[:-1][row_of]
-        blocks = table[row_of, positions // block_size]
-        seq_lens = starts + lengths
-        return cls(
-            positions=positions,
-            slot_mapping=blocks * block_size + positions % block_size,
-            seq_lens=seq_lens,
-            query_start_loc=cu,
-            block_tables=table.reshape(-1),
-            width=width,
-            max_query_len=int(lengths.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-
-    def arrays(self) -> list[np.ndarray]:
-        return [
-            self.positions, self.slot_mapping, self.seq_lens, self.query_start_loc,
-            self.block_tables,
-        ]  # fmt: skip
-
-    def metadata(self, views: SequenceOf[torch.Tensor]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """``(positions, metadata)`` from the device views of ``arrays()``."""
-        positions, slots, seq_lens, query_start_loc, tables = views
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            block_tables=tables.view(-1, self.width).to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            query_start_loc=query_start_loc.to(torch.int32),
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-        )
-        return positions, meta
+from dormant.worker.pass_layout import PassLayout
 
 
 @dataclass(frozen=True)
