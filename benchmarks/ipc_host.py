@@ -1,0 +1,209 @@
+"""The IPC receiver's host work per flattened bucket, on the CPU: what ``IpcReceiver``'s
+``update_weights_from_tensor`` spends around the copy (issue 13).
+
+The payloads are pickled exactly as a trainer's CUDA buckets are (``rebuild_cuda_tensor`` and its
+15 arguments, the metadata as ``FlattenedTensorMetadata``), but a stand-in driver maps each
+"handle" to a CPU buffer, held weakly as torch's ``shared_cache`` holds opened storages; the
+sender reuses one buffer (verl's way), so after the first bucket of a refit every rebuild finds
+it open and waits on the (stand-in) event. The model has the 8B-like model's names and its
+buckets the same tensors as 512 MiB buckets of the real shapes (``--bucket-mib``), but small
+dimensions: a copy is then almost only its dispatch, as an enqueue on the GPU is. Every refit
+sends the same layouts; the first refit builds the plans and is not timed.
+
+Prints one JSON line per stage (median and mean microseconds per bucket over every timed bucket):
+``rebuild`` (deserialize_payload), ``items`` (bucket_items), ``plan`` (CopyPlans.get), ``copy``
+(running the plan's steps), ``end payload``, and ``call`` (the whole
+``update_weights_from_tensor``, timed separately), plus the thread CPU time per call.
+The values written are checked against ``load_weights`` of the same tensors.
+
+    python benchmarks/ipc_host.py [--refits 20] [--bucket-mib 512] [--out host.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.multiprocessing import reductions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import MiB, Recorder
+from benchmarks.decode import QWEN3_8B_LIKE
+from dormant.memory import MemoryManager
+from dormant.models import CausalLM, ModelConfig, build_model
+from dormant.worker.ipc_payload import deserialize_payload
+from dormant.worker.ipc_receiver import IpcHandles, IpcReceiver
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, bucket_items, pack_flattened_bucket
+from dormant.worker.refit_record import RefitRecord
+
+# The 8B-like model's layers and names, with small dimensions (every tensor a multiple of the
+# pool's 256-byte alignment, as the real shapes are: a bucket in model order is then one copy),
+# as small as that allows, so that the copies (real on the CPU) disturb the caches little.
+SMALL = {
+    **QWEN3_8B_LIKE, "vocab_size": 128, "hidden_size": 128, "intermediate_size": 128,
+    "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 128,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+STAGES = ("rebuild", "items", "plan", "copy", "end payload")
+HANDLE = b"sender-buffer"
+
+
+class StandInDriver:
+    """Maps a handle to its CPU buffer as a new storage while none is open (torch's cache)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = np.zeros(nbytes, dtype=np.uint8)
+        self.opened: dict[Any, reductions.StorageWeakRef] = {}
+
+    def rebuild(self, *args: Any) -> Tensor:
+        _, size, stride, offset, _, dtype, _, handle, _, storage_offset = args[:10]
+        ref = self.opened.get((handle, storage_offset))
+        if ref is not None and not ref.expired():
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        else:
+            storage = torch.from_numpy(self.buffer).untyped_storage()
+            self.opened[(handle, storage_offset)] = reductions.StorageWeakRef(storage)
+        return torch.empty(0, dtype=dtype).set_(storage).as_strided(size, stride, offset)
+
+    def handles(self) -> IpcHandles:
+        return IpcHandles(self.rebuild, self.opened, lambda device, event: None)
+
+
+class SharedBuffer:
+    """Pickles as a trainer's CUDA tensor does: ``rebuild_cuda_tensor`` and its 15 arguments."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        t = self.tensor
+        return reductions.rebuild_cuda_tensor, (
+            Tensor, t.shape, t.stride(), t.storage_offset(), torch.UntypedStorage, t.dtype, 0,
+            HANDLE, t.untyped_storage().nbytes(), 0, False, b"ref-counter-handle", 0,
+            b"event-handle" * 5, True,
+        )  # fmt: skip
+
+
+def serialize(driver: StandInDriver, bucket: list[tuple[str, Tensor]]) -> bytes:
+    payload = pack_flattened_bucket(torch.from_numpy(driver.buffer), bucket)
+    stream = io.BytesIO()
+    shared = SharedBuffer(payload["flattened_tensor"])
+    pickle.Pickler(stream).dump({"flattened_tensor": shared, "metadata": payload["metadata"]})
+    return stream.getvalue()
+
+
+def pooled_model(config: ModelConfig) -> CausalLM:
+    """As the worker builds it: on meta, adopted into a host pool (parameters back to back)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    MemoryManager("host").adopt(model)
+    model.init_buffers()
+    model.reset_kv_scales()
+    model.init_random_weights(0)
+    model.weight_observer = RefitRecord(model.expected_weight_shapes())  # the worker's record
+    return model
+
+
+def bucket_names(bucket_bytes: int) -> list[list[str]]:
+    """The names of each bucket of the real 8B-like shapes (bf16), as ``iter_buckets`` groups
+    them: consecutive, at most ``bucket_bytes`` each, a larger tensor alone."""
+    with torch.device("meta"):
+        shapes = build_model(ModelConfig.from_dict(QWEN3_8B_LIKE)).expected_weight_shapes()
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = shape.numel() * 2
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
+
+
+def new_weights(model: CausalLM, seed: int) -> dict[str, Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(shape, generator=generator).bfloat16()
+        for name, shape in model.expected_weight_shapes().items()
+    }
+
+
+def verify(model: CausalLM, weights: dict[str, Tensor]) -> bool:
+    reference = pooled_model(model.config)
+    reference.load_weights(list(weights.items()))
+    expected = dict(reference.named_parameters())
+    return all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--refits", type=int, default=20)
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    recorder = Recorder(args.out)
+    model = pooled_model(ModelConfig.from_dict(SMALL))
+    groups = bucket_names(args.bucket_mib * MiB)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    driver = StandInDriver(2 * weight_bytes + (1 << 20))
+    receiver = IpcReceiver(driver.handles())
+    stages: dict[str, list[float]] = {stage: [] for stage in (*STAGES, "call", "call cpu")}
+    weights: dict[str, Tensor] = {}
+    for refit in range(args.refits + 1):
+        weights = new_weights(model, refit)
+        for names in groups:
+            entry = serialize(driver, [(name, weights[name]) for name in names])
+            if refit % 2:  # the call as the worker makes it, whole
+                t0, c0 = time.perf_counter(), time.thread_time()
+                receiver.update_weights_from_tensor(model, [entry], load_format=FLATTENED_BUCKET)
+                t1, c1 = time.perf_counter(), time.thread_time()
+                if refit:
+                    stages["call"].append(t1 - t0)
+                    stages["call cpu"].append(c1 - c0)
+                continue
+            t0 = time.perf_counter()  # its stages, as ipc_stages.py times them on the GPU
+            payload = deserialize_payload(entry, receiver.handles.rebuild_cuda_tensor)
+            t1 = time.perf_counter()
+            flat_bytes, items = bucket_items(payload)
+            t2 = time.perf_counter()
+            plan = receiver.plans.get(model, items)
+            t3 = time.perf_counter()
+            with torch.no_grad():
+                for step in plan.steps:
+                    step.run(flat_bytes)
+            t4 = time.perf_counter()
+            del payload, flat_bytes
+            receiver.handles.end_payload()
+            t5 = time.perf_counter()
+            if refit:
+                seconds = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+                for stage, value in zip(STAGES, seconds, strict=True):
+                    stages[stage].append(value)
+        receiver.release()
+    recorder.emit(
+        case="ipc host setup", torch=torch.__version__, buckets_per_refit=len(groups),
+        tensors_per_bucket=statistics.mean(len(g) for g in groups), refits=args.refits,
+        plans_built=receiver.plans.num_built, verified=verify(model, weights),
+        copies_per_bucket=statistics.mean(p.num_copies for p in receiver.plans.of(model)),
+    )  # fmt: skip
+    for stage, values in stages.items():
+        recorder.emit(
+            case="ipc host stage", stage=stage, buckets=len(values),
+            median_us=statistics.median(values) * 1e6, mean_us=statistics.mean(values) * 1e6,
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
