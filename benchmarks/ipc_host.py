@@ -152,7 +152,6 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
     recorder = Recorder(args.out)
     model = pooled_model(ModelConfig.from_dict(SMALL))
     groups = bucket_names(args.bucket_mib * MiB)
@@ -206,4 +205,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # the copies on one thread, as the host path runs
     main()
