@@ -270,5 +270,6 @@ def _num_logprobs(requested: int | bool | None, vocab_size: int) -> int:
 
 def _max_logprobs(seqs: SequenceOf[SeqInput], vocab_size: int) -> int | None:
     """The most top logprobs any row asks for, or None when no row asks for logprobs."""
-    asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    asked = {s.params.logprobs for s in seqs}  # each distinct count once (a batch shares few)
+    asked.discard(None)
     return max(_num_logprobs(k, vocab_size) for k in asked) if asked else None
