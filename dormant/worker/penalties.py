@@ -53,12 +53,13 @@ class LogitsProcessors:
         cls, seqs: SequenceOf[SeqInput], vocab_size: int, staging: Staging
     ) -> LogitsProcessors | None:
         """The processors of ``seqs`` (one logits row each), or None when no row uses any."""
-        masks = [
-            _mask_indices(row, seq, vocab_size)
-            for row, seq in enumerate(seqs)
-            if seq.masked_stop_token_ids or seq.bad_words_token_ids
-        ]
-        penalised = [row for row, seq in enumerate(seqs) if _penalties(seq) != (1.0, 0.0, 0.0)]
+        masks, penalised = [], []
+        for row, seq in enumerate(seqs):
+            if seq.masked_stop_token_ids or seq.bad_words_token_ids:
+                masks.append(_mask_indices(row, seq, vocab_size))
+            p = seq.params
+            if (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0):
+                penalised.append(row)
         if not penalised and not masks:
             return None
         ints: list[np.ndarray] = [np.concatenate([np.zeros(0, np.int64), *masks])]
