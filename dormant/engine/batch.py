@@ -135,6 +135,19 @@ class ScheduledBatch:
             block_copies=tuple(block_copies),
         )
 
+    @classmethod
+    def decodes(cls, seqs: SequenceOf[Sequence], num_steps: int = 1) -> ScheduledBatch:
+        """``of([(seq, 1) for seq in seqs], num_steps)`` for rows known to be decodes (each
+        computes its sequence's newest token only), without checking each row again."""
+        return cls(
+            seqs=tuple(seqs),
+            num_new_tokens=(1,) * len(seqs),
+            is_prefill=False,
+            num_scheduled_tokens=len(seqs) * num_steps,
+            num_prefill_tokens=0,
+            num_steps=num_steps,
+        )
+
     def num_drafts_of(self, row: int) -> int:
         return self.num_draft_tokens[row] if self.num_draft_tokens else 0
 
@@ -142,6 +155,9 @@ class ScheduledBatch:
         """Raises ``ValueError`` unless every row returned ``num_steps`` tokens, or
         ``1 .. j + 1`` with ``j`` drafts."""
         counts = [len(tokens) for tokens in token_ids]
+        is_plain = not self.num_draft_tokens and len(counts) == self.num_seqs
+        if is_plain and all(count == self.num_steps for count in counts):
+            return  # the common case, without building each row's bounds
         expected = [
             (1, 1 + self.num_drafts_of(row)) if self.num_drafts_of(row) else (self.num_steps,) * 2
             for row in range(self.num_seqs)
@@ -183,12 +199,17 @@ class ScheduledBatch:
         fork_of: int | None,
     ) -> SeqInput:
         params = seq.params
-        start = seq.num_computed_tokens
-        token_ids = tuple(seq.token_ids_between(start, start + num_new - num_drafts))
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new - num_drafts
+        if end == start + 1 == seq.num_tokens:  # a decode: its newest token
+            token_ids: tuple[int, ...] = (seq.last_token_id,)
+        else:
+            token_ids = tuple(seq.token_ids_between(start, end))
         draft_prefix: tuple[int, ...] = ()
         if self.is_speculative:
             draft_prefix = tuple(seq.token_ids_between(seq.num_draft_computed_tokens, start))
-        bad_words = tuple(tuple(word) for word in params.bad_words_token_ids or ())
+        bad_words: tuple[tuple[int, ...], ...] = ()
+        if params.bad_words_token_ids:
+            bad_words = tuple(tuple(word) for word in params.bad_words_token_ids)
         is_penalised = (params.presence_penalty, params.frequency_penalty) != (0.0, 0.0)
         is_repetition_penalised = params.repetition_penalty != 1.0
         needs_outputs = (
@@ -201,7 +222,7 @@ class ScheduledBatch:
         return SeqInput(
             token_ids=token_ids,
             start_position=start,
-            block_table=tuple(seq.block_table),
+            block_table=seq.block_table_tuple(),
             params=params,
             seed=seq.seed,
             num_output_tokens=seq.num_output_tokens,

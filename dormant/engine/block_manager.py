@@ -213,6 +213,22 @@ class BlockManager:
             raise BlockOwnershipError(f"{seq!r} holds no blocks; allocate it first")
         self._take_blocks(seq, self._num_missing(seq, num_tokens))
 
+    def grow_all(self, seqs: SequenceOf[Sequence]) -> bool:
+        """``grow(seq, seq.num_tokens)`` for each of ``seqs`` in turn (the same blocks), with one
+        free-block count for all, when they all fit; else (or if one holds no blocks) returns
+        False, changing nothing."""
+        block_size, missing = self.block_size, []
+        for seq in seqs:
+            if not seq.block_table:
+                return False
+            missing.append(-(-seq.num_tokens // block_size) - len(seq.block_table))
+        if sum(m for m in missing if m > 0) > self.num_free_blocks:
+            return False
+        for seq, num_missing in zip(seqs, missing, strict=True):
+            if num_missing > 0:
+                self._take_blocks(seq, num_missing)
+        return True
+
     def can_append(self, seq: Sequence, num_lookahead: int = 0) -> bool:
         """Whether the table of ``seq`` can grow to cover ``num_tokens + num_lookahead``
         tokens: before a decode step, whose token's KV goes at position ``num_tokens - 1``
@@ -248,7 +264,7 @@ class BlockManager:
                 del holders[block_id]
                 if cache is None or not cache.release(block_id):
                     self._free_block_ids.append(block_id)
-        seq.block_table.clear()
+        seq.clear_block_table()
         seq.num_published_blocks = 0
 
     def num_holders(self, block_id: int) -> int:

@@ -105,6 +105,8 @@ class Forks:
 
         Returns the fork rows (sibling, 0), their leaders by sequence id, and the block copies.
         """
+        if not self._siblings:  # nobody waits to fork: no row is a leader
+            return [], {}, []
         manager, cache = self.block_manager, self.block_manager.prefix_cache
         fork_rows: list[Row] = []
         leaders: dict[int, int] = {}

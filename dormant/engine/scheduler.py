@@ -201,11 +201,12 @@ class Scheduler:
         batch.check_token_ids(token_ids)
         self._batch_in_flight = None
         finished: list[Sequence] = []
+        num_drafts = batch.num_draft_tokens
         rows = zip(batch.seqs, batch.num_new_tokens, token_ids, strict=True)
         for row, (seq, num_new, tokens) in enumerate(rows):
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += num_new - batch.num_drafts_of(row)
+            seq.num_computed_tokens += (num_new - num_drafts[row]) if num_drafts else num_new
             num_draft_computed = None if draft_computed is None else draft_computed[row]
             if num_draft_computed is not None:
                 seq.num_draft_computed_tokens = num_draft_computed

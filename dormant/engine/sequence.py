@@ -89,6 +89,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
+        self._block_table_tuple: tuple[tuple[int, ...], list[int]] = ((), self.block_table)
         self.num_computed_tokens = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
@@ -141,6 +142,21 @@ class Sequence:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - num_prompt]]
+
+    def block_table_tuple(self) -> tuple[int, ...]:
+        """``tuple(block_table)``, made again only when the table changed: a table only grows
+        at its end, until ``clear_block_table`` empties it, so the one made last stays right
+        while the same list has the same length."""
+        made, table = self._block_table_tuple
+        if table is not self.block_table or len(made) != len(table):
+            made = tuple(self.block_table)
+            self._block_table_tuple = made, self.block_table
+        return made
+
+    def clear_block_table(self) -> None:
+        """Empty ``block_table`` (its blocks were freed), and forget the tuple made of it."""
+        self.block_table.clear()
+        self._block_table_tuple = (), self.block_table
 
     @property
     def is_finished(self) -> bool:

@@ -54,7 +54,11 @@ class StepPlanner:
     def plan_mixed(self) -> ScheduledBatch | None:
         self._start_plan()
         budget = self.config.max_num_batched_tokens
-        rows, num_preempted = self._schedule_running(budget)
+        decodes = self._schedule_decodes(budget)
+        if decodes is not None:
+            rows, num_preempted = list(decodes), 0
+        else:
+            rows, num_preempted = self._schedule_running(budget)
         budget -= sum(num_new for _, num_new in rows)
         if not num_preempted:
             rows += self._schedule_waiting(budget, may_chunk=True)
@@ -63,9 +67,27 @@ class StepPlanner:
         # The rows are final: the leaders among them that compute their prompts' last tokens
         # fork their siblings (``engine/forks.py``).
         fork_rows, leaders, copies = self.forks.plan(rows)
-        if not fork_rows and self.drafts is None and all(_is_decode(s, n) for s, n in rows):
+        is_decode = (decodes is not None and len(rows) == len(decodes)) or all(
+            _is_decode(s, n) for s, n in rows
+        )
+        if not fork_rows and self.drafts is None and is_decode:
             return self._decode_batch([seq for seq, _ in rows])
         return ScheduledBatch.of(rows + fork_rows, 1, self.drafts, leaders, copies)
+
+    def _schedule_decodes(self, budget: int) -> list[Row] | None:
+        """Step 1 at once when every running sequence is a decode without drafts and they all
+        fit (the budget, the free blocks): the rows ``_schedule_running`` would plan, with one
+        free-block count for the batch. Else None, and nothing changes."""
+        manager, running = self.block_manager, self.running
+        if self.drafts is not None or len(running) > budget:
+            return None
+        if any(seq.num_tokens - seq.num_computed_tokens != 1 for seq in running):
+            return None
+        if not manager.grow_all(running):
+            return None
+        for seq in running:
+            manager.publish(seq, seq.num_tokens)
+        return [(seq, 1) for seq in running]
 
     def _schedule_running(self, budget: int) -> tuple[list[Row], int]:
         """Step 1 of a mixed step: the running sequences' rows, and how many were preempted."""
@@ -180,7 +202,7 @@ class StepPlanner:
         if self.drafts is not None:
             rows = [(seq, 1 + self.drafts.get(seq.seq_id, 0)) for seq in seqs]
             return ScheduledBatch.of(rows, drafts=self.drafts)
-        return ScheduledBatch.of([(seq, 1) for seq in seqs], self._num_decode_steps(seqs))
+        return ScheduledBatch.decodes(seqs, self._num_decode_steps(seqs))
 
     def _num_decode_steps(self, seqs: list[Sequence]) -> int:
         """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every

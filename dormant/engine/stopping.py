@@ -17,12 +17,13 @@ def finish_reason(
 ) -> tuple[FinishReason | None, int | None]:
     """Why ``seq`` finishes on its newest token ``token_id``, with vLLM's precedence: length
     first, then (past ``min_tokens``) EOS, then a stop token (its ``stop_reason``)."""
-    params = seq.params
-    if seq.num_output_tokens >= max_tokens(seq, max_model_len):
+    params, num_outputs = seq.params, seq.num_output_tokens
+    limit = params.max_tokens
+    if num_outputs >= (max_model_len if limit is None else limit):
         return FinishReason.LENGTH, None
-    if seq.num_tokens >= max_model_len:
+    if seq.num_prompt_tokens + num_outputs >= max_model_len:
         return FinishReason.LENGTH, None
-    if seq.num_output_tokens < params.min_tokens:
+    if num_outputs < params.min_tokens:
         return None, None
     if token_id in eos_token_ids and not params.ignore_eos:
         return FinishReason.STOP, None
