@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from operator import attrgetter
@@ -182,14 +183,16 @@ def bucket_items(payload: Any) -> tuple[Tensor, BucketLayout]:
         return flat.view(torch.uint8), kept[0]
     layout, end = _layout(flat, payload["metadata"])
     if key is not None:
-        if len(_LAYOUTS) >= MAX_LAYOUTS:
-            del _LAYOUTS[next(iter(_LAYOUTS))]
-        _LAYOUTS[key] = (layout, end)
+        with _LAYOUTS_LOCK:  # ranks may be threads of one process
+            while len(_LAYOUTS) >= MAX_LAYOUTS:
+                del _LAYOUTS[next(iter(_LAYOUTS))]
+            _LAYOUTS[key] = (layout, end)
     return flat.view(torch.uint8), layout
 
 
 MAX_LAYOUTS = 4096  # distinct bucket layouts kept by ``bucket_items``; the oldest goes first
 _LAYOUTS: dict[tuple[Any, ...], tuple[BucketLayout, int]] = {}  # key -> (layout, its end)
+_LAYOUTS_LOCK = threading.Lock()
 _METADATA_FIELDS = attrgetter("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 
 

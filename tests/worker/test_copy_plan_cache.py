@@ -150,3 +150,17 @@ def test_a_model_adopted_again_rebuilds_the_plan() -> None:
     refit(plans, model, named)
     assert plans.num_built == 2
     assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+
+
+def test_the_kept_layouts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dormant.worker import ipc_weights
+
+    monkeypatch.setattr(ipc_weights, "MAX_LAYOUTS", 2)
+    monkeypatch.setattr(ipc_weights, "_LAYOUTS", {})
+    named = new_weights(tiny(TINY_LLAMA), 30)
+    first, second, third = (payload_of(named[i : i + 1]) for i in range(3))
+    kept = bucket_items(first)[1]
+    bucket_items(second)
+    bucket_items(third)  # the first goes
+    assert len(ipc_weights._LAYOUTS) == 2
+    assert bucket_items(first)[1] is not kept and bucket_items(first)[1] == kept
