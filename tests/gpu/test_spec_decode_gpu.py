@@ -9,7 +9,6 @@ identical, addresses unchanged, acceptance rate unchanged (100 % for self-specul
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,14 +33,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         write_checkpoint(tmp_path_factory.mktemp("spec_a"), seed=1),
         write_checkpoint(tmp_path_factory.mktemp("spec_b"), seed=2),
     )
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.shutdown()
 
 
 @pytest.fixture(scope="module")
