@@ -80,8 +80,9 @@ class SamplingTensors:
         num_seqs = len(seqs)
         params = [seq.params for seq in seqs]
         greedy = np.fromiter((p.is_greedy for p in params), np.bool_, num_seqs)
-        # top_k None, 0 or -1 all mean "off" (vLLM's callers pass all three).
-        top_ks = np.fromiter((p.top_k or 0 for p in params), np.int64, num_seqs)
+        # top_k None, 0 or -1 all mean "off" (vLLM's callers pass all three). Clamped to the
+        # vocabulary while still a Python int: a client's top_k may not fit an int64.
+        top_ks = np.fromiter((min(p.top_k or 0, vocab_size) for p in params), np.int64, num_seqs)
         top_ks[greedy | (top_ks <= 0)] = vocab_size
         np.minimum(top_ks, vocab_size, out=top_ks)
         # float64 columns, as the parameters are: the flags compare these, the rows get float32.

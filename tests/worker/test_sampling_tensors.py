@@ -93,3 +93,15 @@ def test_flags_follow_double_precision_parameters() -> None:
     seqs = [SeqInput((1,), 0, (0,), SamplingParams(top_p=1 - 1e-9), 0, 0)]
     built = SamplingTensors.from_sequences(seqs, VOCAB_SIZE, "cpu")
     assert built.is_any_filtered and built.top_ps.tolist() == [1.0]
+
+
+def test_a_top_k_beyond_int64_keeps_the_whole_vocabulary() -> None:
+    """A client may send any int as ``top_k`` (schemathesis sent 5.6e24): it means "every
+    token" past the vocabulary, as in vLLM, and must not overflow the int64 column (regression:
+    the vectorised build raised OverflowError inside the engine's step)."""
+    huge = SeqInput((1,), 0, (0,), SamplingParams(temperature=1.0, top_k=2**83), seed=0,
+                    num_output_tokens=0)  # fmt: skip
+    small = SeqInput((1,), 0, (0,), SamplingParams(temperature=1.0, top_k=3), seed=1,
+                     num_output_tokens=0)  # fmt: skip
+    tensors = SamplingTensors.from_sequences([huge, small], VOCAB_SIZE, "cpu")
+    assert tensors.top_ks.tolist() == [VOCAB_SIZE, 3]
