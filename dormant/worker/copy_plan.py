@@ -32,8 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
@@ -42,8 +40,6 @@ from dormant.models import CausalLM
 from dormant.models.weights import WeightTarget, is_ignored
 from dormant.worker.loader_trace import traced_copies
 from dormant.worker.transfer_errors import WeightTransferError
-
-MAX_PLANS_PER_MODEL = 1024  # distinct bucket layouts kept per model; the oldest goes first
 
 
 @dataclass(frozen=True)
@@ -220,40 +216,6 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
     return CopyPlan(
         _merged(spans), frozenset(names), num_bytes, table, tensors, addresses, offsets, devices
     )
-
-
-class CopyPlans:
-    """Plans by model and bucket layout. Models are held weakly: a dropped model drops its plans
-    and the parameter views they hold. ``num_built`` counts the plans built (a cache miss)."""
-
-    def __init__(self) -> None:
-        self._plans: WeakKeyDictionary[CausalLM, dict[tuple[Any, ...], CopyPlan]]
-        self._plans = WeakKeyDictionary()
-        self.num_built = 0
-
-    def get(self, model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
-        """The plan of ``items`` for ``model``: the kept one while it is valid for the model
-        (``is_valid_for``), else a new one (``build_plan``: raises before anything is kept)."""
-        plans = self._plans.get(model)
-        if plans is None:
-            plans = self._plans[model] = {}
-        key = items if isinstance(items, BucketLayout) else BucketLayout(items)
-        plan = plans.get(key)
-        if plan is None or not plan.is_valid_for(model):
-            plan = build_plan(model, items)  # raises before anything is cached
-            self.num_built += 1
-            plans.pop(key, None)
-            if len(plans) >= MAX_PLANS_PER_MODEL:
-                del plans[next(iter(plans))]
-            plans[key] = plan
-        return plan
-
-    def of(self, model: CausalLM) -> list[CopyPlan]:
-        """The plans kept for ``model``, oldest first."""
-        return list(self._plans.get(model, {}).values())
-
-    def clear(self) -> None:
-        self._plans.clear()
 
 
 # ── merging ────────────────────────────────────────────────────────────────────

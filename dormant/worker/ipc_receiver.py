@@ -43,7 +43,8 @@ from torch.multiprocessing import reductions
 from dormant.core.commands import Command
 from dormant.core.errors import UnsupportedOptionError
 from dormant.models import CausalLM
-from dormant.worker.copy_plan import BucketItem, BucketLayout, CopyPlans
+from dormant.worker.copy_plan import BucketItem, BucketLayout
+from dormant.worker.copy_plans import CopyPlans
 from dormant.worker.ipc_payload import (
     LocalSerializedTensor,
     SerializedEntry,

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, WeightError, build_model
-from dormant.worker.copy_plan import CopyPlans, _LoaderCall, _Run, _Strided
+from dormant.worker.copy_plan import _LoaderCall, _Run, _Strided
+from dormant.worker.copy_plans import CopyPlans
 from dormant.worker.ipc_weights import bucket_items, make_flattened_bucket
 from dormant.worker.refit_record import RefitRecord
 from dormant.worker.transfer_errors import WeightTransferError

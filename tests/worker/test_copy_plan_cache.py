@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from dormant.worker.copy_plan import BucketItem, BucketLayout, CopyPlans
+from dormant.worker.copy_plan import BucketItem, BucketLayout
+from dormant.worker.copy_plans import CopyPlans
 from dormant.worker.ipc_weights import bucket_items, make_flattened_bucket
 from dormant.worker.transfer_errors import WeightTransferError
 from tests.worker.test_copy_plan import (
@@ -26,6 +27,14 @@ from tests.worker.test_copy_plan import (
 def payload_of(named: list) -> dict:
     flat, metadata = make_flattened_bucket(named)
     return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def assert_refit_rebuilds(plans: CopyPlans, model, seed: int) -> None:
+    """The next refit builds its plan again (the kept one is no longer valid) and writes right."""
+    named = new_weights(model, seed)
+    refit(plans, model, named)
+    assert plans.num_built == 2
+    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
 
 
 def test_equal_metadata_gives_the_same_layout_object() -> None:
@@ -107,10 +116,7 @@ def test_two_parameters_swapped_within_their_storage_rebuild_the_plan() -> None:
     storage = first.untyped_storage().data_ptr()
     first.data, second.data = second.data, first.data
     assert first.untyped_storage().data_ptr() == storage
-    named = new_weights(model, 21)
-    refit(plans, model, named)
-    assert plans.num_built == 2
-    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+    assert_refit_rebuilds(plans, model, seed=21)
 
 
 def test_a_parameter_moved_to_another_storage_rebuilds_the_plan() -> None:
@@ -118,10 +124,7 @@ def test_a_parameter_moved_to_another_storage_rebuilds_the_plan() -> None:
     refit(plans, model, new_weights(model, 22))
     weight = model.model.layers[1].mlp.down_proj.weight
     weight.data = weight.data.clone()  # same values, its own storage
-    named = new_weights(model, 23)
-    refit(plans, model, named)
-    assert plans.num_built == 2
-    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+    assert_refit_rebuilds(plans, model, seed=23)
 
 
 def test_a_parameter_set_to_another_offset_of_its_storage_rebuilds_the_plan() -> None:
@@ -134,10 +137,7 @@ def test_a_parameter_set_to_another_offset_of_its_storage_rebuilds_the_plan() ->
     with torch.no_grad():
         second.set_(first.untyped_storage(), first.storage_offset(), first.shape, first.stride())
         first.set_(spare)  # first moved out, second took its place
-    named = new_weights(model, 25)
-    refit(plans, model, named)
-    assert plans.num_built == 2
-    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+    assert_refit_rebuilds(plans, model, seed=25)
 
 
 def test_a_model_adopted_again_rebuilds_the_plan() -> None:
@@ -146,10 +146,7 @@ def test_a_model_adopted_again_rebuilds_the_plan() -> None:
     model, plans = tiny(TINY_LLAMA), CopyPlans()
     refit(plans, model, new_weights(model, 26))
     MemoryManager("host").adopt(model)  # every parameter into a new pool block
-    named = new_weights(model, 27)
-    refit(plans, model, named)
-    assert plans.num_built == 2
-    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+    assert_refit_rebuilds(plans, model, seed=27)
 
 
 def test_the_kept_layouts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
