@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dormant.core.step_input import SeqInput
+from dormant.layers.kernels import use_triton
 
 Int64s = TypeVar("Int64s", torch.Tensor, np.ndarray)  # int64 values: on a device or the host
 _MASK_32 = 0xFFFFFFFF
@@ -125,7 +126,9 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
     Greedy rows take the argmax. Random rows divide by their temperature, keep the tokens
     that pass min-p and their top-k, then the smallest top-p mass of those (renormalized), and
-    sample from what is left. Never synchronizes with the host.
+    sample from what is left. Never synchronizes with the host. On CUDA with Triton, a batch
+    without filtering draws in one kernel (``dormant.layers.triton_sampling``) with the same
+    arithmetic, so the same tokens.
     """
     return sample_and_process(logits, t, keep_processed=False)[0]
 
@@ -140,9 +143,22 @@ def sample_and_process(
         raise TypeError(
             f"sample needs float32 logits of shape [n, V], got {logits.dtype} {tuple(logits.shape)}"
         )
-    greedy_tokens = logits.argmax(dim=-1)
     if t.is_all_greedy:
-        return greedy_tokens, logits if keep_processed else None
+        return logits.argmax(dim=-1), logits if keep_processed else None
+    if not t.is_any_filtered and use_triton(logits) and logits.stride(-1) == 1:
+        from dormant.layers.triton_sampling import fused_race  # needs Triton (CUDA)
+
+        tokens = fused_race(logits, t.temperatures, t.noise_keys, t.is_greedy)
+        return tokens, logits / t.temperatures[:, None] if keep_processed else None
+    return sample_reference(logits, t, keep_processed)
+
+
+def sample_reference(
+    logits: torch.Tensor, t: SamplingTensors, keep_processed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample_and_process`` in torch operations, on any device: the reference the fused
+    kernel's tokens equal."""
+    greedy_tokens = logits.argmax(dim=-1)
     scaled = logits / t.temperatures[:, None]
     if t.is_any_filtered:
         scaled, vocab_ids = scaled.sort(dim=-1, descending=True, stable=True)

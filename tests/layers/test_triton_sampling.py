@@ -1,0 +1,40 @@
+"""The fused sampler draw (``triton_sampling.py``) gives the torch reference's tokens, row for
+row: on the CPU through Triton's interpreter (in a subprocess, since ``TRITON_INTERPRET`` is
+read when triton is imported), and on the GPU at the rollout's vocabulary and batch sizes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.layers import sampling_checks as checks
+from tests.layers.test_triton_prefill import REPO
+
+SCRIPT = """
+from tests.layers import sampling_checks as checks
+checks.check_the_constants_are_the_samplers()
+for shape in checks.SHAPES:
+    checks.check_race_matches_the_reference(shape, "cpu")
+    print("ok", shape)
+"""
+
+
+def test_the_fused_draw_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    command = [sys.executable, "-c", SCRIPT]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok") == len(checks.SHAPES), result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", checks.SHAPES + checks.GPU_SHAPES)
+def test_the_fused_draw_on_the_gpu(shape: tuple[int, int]) -> None:
+    pytest.importorskip("triton")
+    checks.check_the_constants_are_the_samplers()
+    checks.check_race_matches_the_reference(shape, "cuda")
