@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,8 @@ TARGET_RESIDUAL_BYTES = 64 * MiB
 # ── the parent ────────────────────────────────────────────────────────────────────────────────
 def run_case(case: str, timeout_s: float = 900.0) -> dict[str, Any]:
     """Runs ``case`` in a fresh child process; returns its result (with the parent's NVML
-    readings of the child while asleep, for ``release``)."""
+    readings of the child while asleep, for ``release``). A child that passes ``timeout_s``,
+    silent or not, is killed, and the error names the last phase it reported."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     child = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--child", case],
@@ -59,13 +62,20 @@ def run_case(case: str, timeout_s: float = 900.0) -> dict[str, Any]:
         cwd=ROOT,
     )
     assert child.stdin is not None and child.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
     deadline, result, parent_view = time.monotonic() + timeout_s, None, None
     before_child: int | None = None
-    for line in child.stdout:
+    last_phase = "start-up"
+    while (line := _next_line(lines, deadline)) is not None:
+        if line is _TIMED_OUT:
+            child.kill()
+            raise TimeoutError(f"case {case!r} took over {timeout_s} s, in {last_phase!r}")
         print(line, end="", flush=True)
         if not line.startswith("{"):
             continue
         event = json.loads(line)
+        last_phase = event.get("phase", event.get("event", last_phase))
         if event.get("event") == "hello":  # no context in the child yet
             before_child = _device_used(event["pci_bus_id"])
             child.stdin.write("go\n")
@@ -77,15 +87,30 @@ def run_case(case: str, timeout_s: float = 900.0) -> dict[str, Any]:
             child.stdin.flush()
         elif event.get("event") == "result":
             result = event
-        if time.monotonic() > deadline:
-            child.kill()
-            raise TimeoutError(f"case {case!r} took over {timeout_s} s")
     code = child.wait()
     if result is None:
         raise RuntimeError(f"case {case!r}: the child exited with {code} and no result")
     if parent_view is not None:
         result["parent_nvml"] = {**parent_view, "device_used_before_child_bytes": before_child}
     return result
+
+
+_TIMED_OUT = "<timed out>"
+
+
+def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
+    """Moves the child's output lines to ``lines``, then None at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _next_line(lines: queue.Queue[str | None], deadline: float) -> str | None:
+    """The child's next line, None at its end, ``_TIMED_OUT`` once ``deadline`` passed."""
+    try:
+        return lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+    except queue.Empty:
+        return _TIMED_OUT
 
 
 def _device_used(bus: str | None) -> int | None:
@@ -144,6 +169,7 @@ def child_main(case: str) -> None:
         out += llm.generate(prompts, seeded, use_tqdm=False)
         return [o.outputs[0].token_ids for o in out]
 
+    emit(event="phase", phase="generate before")
     before = generate()
     pid, bus = os.getpid(), worker.mm.residual.pci_bus_id
     awake_nvml = nvml.process_memory(bus, pid) if bus else None
@@ -157,10 +183,12 @@ def child_main(case: str) -> None:
         except CheckpointUnsupportedError as error:
             emit(**result, unsupported=str(error))
             return
+        emit(event="phase", phase="measured release: sleep(level=2, release_context=True)")
         sleep_s, _ = timed(lambda: llm.sleep(level=2, release_context=True))
         asleep = llm.memory_status()[0]
         emit(event="asleep", pid=pid, pci_bus_id=bus, nvml_listed_while_awake=listed)
         sys.stdin.readline()  # the parent measures, then says wake
+        emit(event="phase", phase="measured release: wake (restore first)")
         wake_s, _ = timed(lambda: llm.wake_up(["weights"]))
         llm.collective_rpc("reload_weights")
         wake_kv_s, _ = timed(lambda: llm.wake_up(["kv_cache"]))
@@ -204,9 +232,14 @@ def child_main(case: str) -> None:
 
 
 def cycle(llm: Any, release: bool) -> tuple[float, float]:
-    """One level-2 cycle: (sleep seconds, wake-weights seconds); refit, then wake the KV."""
+    """One level-2 cycle: (sleep seconds, wake-weights seconds); refit, then wake the KV. Each
+    step is announced first, so a parent that times out knows where."""
+    kind = "release" if release else "plain"
+    emit(event="phase", phase=f"{kind} cycle: sleep(level=2)")
     sleep_s, _ = timed(lambda: llm.sleep(level=2, release_context=release))
+    emit(event="phase", phase=f"{kind} cycle: wake the weights")
     wake_s, _ = timed(lambda: llm.wake_up(["weights"]))
+    emit(event="phase", phase=f"{kind} cycle: refit, wake the KV")
     llm.collective_rpc("reload_weights")
     llm.wake_up(["kv_cache"])
     return sleep_s, wake_s

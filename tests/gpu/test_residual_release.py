@@ -19,7 +19,7 @@ DEVICE_SLACK = 16 * MiB  # NVML's device-wide figure moves by the driver's own b
 
 
 def test_the_gpu_shows_nothing_for_a_released_engine() -> None:
-    result = run_case("release")
+    result = run_case("release", timeout_s=300.0)  # a hang fails, naming its phase
     if "unsupported" in result:
         pytest.skip(result["unsupported"])
     print(json.dumps({k: v for k, v in result.items() if k != "status_asleep"}, indent=1))
