@@ -25,7 +25,10 @@ wake_up(["kv_cache"]) -> generate the same prompts again. Throughput after a cyc
 throughput before it, and the hit rate must drop to the prompts' own n-sharing: the engine
 invalidated the cache itself (no reset_prefix_cache call anywhere in this file).
 
-Usage: python benchmarks/rollout.py [--quick] [--cycles 1] [--out rollout.jsonl]
+``--multi-steps k`` captures the fused k-step decode graph (``cuda_graph_multi_steps``); a replay
+then counts as k decode steps of its mean time, against the mean of their rooflines.
+
+Usage: python benchmarks/rollout.py [--quick] [--cycles 1] [--multi-steps 1] [--out rollout.jsonl]
 (``--smoke`` runs a tiny model on whatever device there is, to check the script: no numbers.)
 """
 
@@ -38,6 +41,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -64,8 +68,9 @@ class Step(NamedTuple):
     is_prefill: bool  # some row computed prompt positions (run eagerly, not from a graph)
     num_seqs: int
     num_prefill_tokens: int
-    kv_tokens: int  # positions whose KV the step's attention reads
+    kv_tokens: int  # positions whose KV the (first) step's attention reads
     seconds: float
+    num_steps: int = 1  # decode steps in this call (the fused multi-step graph runs several)
 
 
 class StepLog:
@@ -76,19 +81,23 @@ class StepLog:
         self.batches: list[Any] = []
         self.steps: list[Step] = []
         executor = self.engine.executor
-        execute = executor.execute
+        execute, execute_multi_step = executor.execute, executor.execute_multi_step
 
-        def timed(step):  # type: ignore[no-untyped-def]
+        def timed(run, num_steps, step):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
-            output = execute(step)  # ends with the sampled tokens on the host: a whole step
+            output = run(step)  # ends with the sampled tokens on the host: whole steps
             seconds = time.perf_counter() - start
             batch = self.batches[-1]
             kv_tokens = sum(s.start_position + len(s.token_ids) for s in step.seqs)
             self.steps.append(Step(batch.is_prefill, batch.num_seqs, batch.num_prefill_tokens,
-                                   kv_tokens, seconds))  # fmt: skip
+                                   kv_tokens, seconds, num_steps))  # fmt: skip
             return output
 
-        executor.execute = timed  # type: ignore[method-assign]
+        executor.execute = partial(timed, execute, 1)  # type: ignore[method-assign]
+        num_steps = self.engine.scheduler.config.num_decode_steps
+        executor.execute_multi_step = partial(  # type: ignore[method-assign]
+            timed, execute_multi_step, num_steps
+        )
         self.attach(self.engine.scheduler)
 
     def attach(self, scheduler: Scheduler) -> None:
@@ -160,14 +169,20 @@ def generate(llm: LLM, batch: list[list[int]], params: SamplingParams, log: Step
 def roofline_rows(
     decode: list[Step], weight_bytes: int, kv_per_token: int, bandwidth: float
 ) -> Iterator[dict[str, Any]]:
-    """Decode-only steps by batch-size bucket: median step time against its roofline."""
+    """Decode-only steps by batch-size bucket: median step time against its roofline. A call
+    that ran ``k`` steps (the fused multi-step graph) counts as ``k`` steps of its mean time,
+    against the mean of their rooflines (step ``j`` reads ``j`` more positions per row)."""
     by_bucket: dict[int, list[Step]] = defaultdict(list)
     for step in decode:
         bucket = next((b for b in BUCKETS if step.num_seqs <= b), BUCKETS[-1])
         by_bucket[bucket].append(step)
     for bucket, steps in sorted(by_bucket.items()):
-        times = [s.seconds for s in steps]
-        limits = [(weight_bytes + s.kv_tokens * kv_per_token) / bandwidth for s in steps]
+        times = [s.seconds / s.num_steps for s in steps]
+        limits = [
+            (weight_bytes + (s.kv_tokens + s.num_seqs * (s.num_steps - 1) / 2) * kv_per_token)
+            / bandwidth
+            for s in steps
+        ]
         ratios = sorted(t / lim for t, lim in zip(times, limits, strict=True))
         yield {
             "batch_bucket": bucket,
@@ -229,6 +244,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 prompts x 256, 128 out")
     parser.add_argument("--cycles", type=int, default=1, help="RL iterations (default 1)")
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--multi-steps", type=int, default=1,
+        help="cuda_graph_multi_steps: decode steps per fused graph replay (default 1: none)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     num_prompts, prompt_len, out_len = (16, 256, 128) if args.quick else (64, 512, 512)
@@ -246,7 +265,8 @@ def main() -> None:
     max_seqs = num_prompts * n
     llm = LLM(
         ModelConfig.from_dict(shape), max_model_len=prompt_len + out_len, max_num_seqs=max_seqs,
-        max_num_batched_tokens=8192, cuda_graph_multi_steps=1, enable_sleep_mode=True,
+        max_num_batched_tokens=8192, cuda_graph_multi_steps=args.multi_steps,
+        enable_sleep_mode=True,
         **options,
     )  # fmt: skip
     worker = llm.llm_engine.executor.worker
