@@ -150,7 +150,7 @@ class LLMEngine:
         assert batch is not None
         step = batch.step_input(self.runtime.eos_token_ids)
         try:
-            if batch.num_steps > 1:  # greedy decode: the fused multi-step graph
+            if batch.num_steps > 1:  # decodes: the fused multi-step graph
                 output = self.executor.execute_multi_step(step)
             else:
                 output = self.executor.execute(step)

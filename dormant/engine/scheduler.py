@@ -22,7 +22,7 @@ A step with chunked prefill, under ``max_num_batched_tokens``:
 Without chunked prefill a step prefills whole waiting sequences if any fits, else decodes.
 
 A row whose chunk ends before the sequence's last token samples nothing. A step of decodes
-alone, with nothing waiting, may run several greedy steps at once (``StepPlanner``).
+alone, with nothing waiting, may run several steps at once (``StepPlanner``).
 Every row's full blocks are published to the prefix cache once the row is final in the step
 (``BlockManager.publish``), so a later row of the same step, such as another sample of the same
 prompt, hits them.

@@ -25,7 +25,7 @@ class Executor(Protocol):
         ...
 
     def execute_multi_step(self, step: StepInput) -> StepOutput:
-        """Runs ``num_steps`` greedy decode steps on every rank (the fused multi-step graph
+        """Runs ``num_steps`` decode steps on every rank (the fused multi-step graph
         where the batch fits it); returns rank 0's ``StepOutput``, ``num_steps`` tokens and
         their logprobs per sequence."""
         ...
