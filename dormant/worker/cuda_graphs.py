@@ -3,11 +3,14 @@
 Two kinds, one per captured batch size (a batch is padded up to the next size):
 
 - ``full``: one decode step, attention included: inputs → logits.
-- ``multi_step``: ``num_steps`` greedy decode steps in one replay, sampling and KV append
-  included, and each step's logprobs (the sampled token's value and rank and a fixed number of
-  top tokens, packed as ``worker/logprobs.py`` describes). Between steps the graph feeds each
-  sampled token back, advances the positions and sequence lengths, and recomputes the slot
-  mapping from the block tables, all on the device.
+- ``multi_step``: ``num_steps`` decode steps in one replay, sampling and KV append included,
+  and each step's logprobs (the sampled token's value and rank and a fixed number of top
+  tokens, packed as ``worker/logprobs.py`` describes). Each step samples with the single
+  step's sampler (``sampler.sample_and_process``), greedy rows and unfiltered random rows
+  alike, from static per-step sampling rows (``worker/graph_sampling.py``), so its tokens are
+  those of ``num_steps`` single steps. Between steps the graph feeds each sampled token back,
+  advances the positions and sequence lengths, and recomputes the slot mapping from the block
+  tables, all on the device.
   This is the shape of graph that crashed in the prior art when block tables and their layout
   tensors were rebuilt on wake: it reads them at captured addresses, again and again.
 
@@ -21,6 +24,7 @@ Nothing a capture leaves behind lives outside the tags (the residual, ``memory/r
 |------------------------------------|----------------------------------------------------------|
 | full graph outputs (logits)        | allocated in capture: the ``cuda_graph`` pool            |
 | multi-step tokens and logprobs     | ``runtime``, explicit                                    |
+| multi-step sampling rows           | ``runtime``, explicit (``GraphSampling``)                |
 | the capture's cuBLAS workspace     | the ``cuda_graph`` pool: the workspaces are cleared      |
 |                                    | before capturing, so cuBLAS allocates one in capture     |
 | the warm-ups' intermediates        | torch's cache, returned at sleep                         |
@@ -40,12 +44,15 @@ from typing import Any, cast
 
 import torch
 
+from dormant.core.step_input import StepInput
 from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import RUNTIME, MemoryManager
 from dormant.memory.torch_usage import clear_cublas_workspaces
 from dormant.models import CausalLM
+from dormant.worker.graph_sampling import GraphSampling
 from dormant.worker.input_buffers import InputBuffers
 from dormant.worker.logprobs import LogprobsMode, packed_logprobs, packed_width
+from dormant.worker.sampler import sample_and_process
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,10 @@ class DecodeGraphs:
         logprobs_mode: LogprobsMode,
         num_top_logprobs: int,
     ) -> None:
-        """``num_top_logprobs``: the top tokens each multi-step logprobs row carries. Greedy
-        rows' processed logits are their logits, so ``logprobs_mode`` only picks logprobs
-        (log-softmax) or logits."""
+        """``num_top_logprobs``: the top tokens each multi-step logprobs row carries, of the
+        raw logits (``raw_*`` modes) or of the sampler's processed ones (``processed_*``),
+        as a single step reports them. The multi-step graphs' sampling rows are allocated
+        here (``runtime``), so the body also runs eagerly, without a capture."""
         self.model, self.inputs, self.mm = model, inputs, mm
         self.batch_sizes = sorted(batch_sizes)
         self.num_steps = num_steps
@@ -78,14 +86,25 @@ class DecodeGraphs:
         self.num_top_logprobs = num_top_logprobs
         self.full: dict[int, CapturedGraph] = {}
         self.multi_step: dict[int, CapturedGraph] = {}
+        self.sampling: GraphSampling | None = None
+        if num_steps > 1:
+            vocab_size = model.config.vocab_size
+            self.sampling = GraphSampling(mm, self.batch_sizes[-1], num_steps, vocab_size)
 
     def padded_size(self, num_seqs: int) -> int | None:
         return next((bs for bs in self.batch_sizes if bs >= num_seqs), None)
 
+    def load_multi_step(self, step: StepInput, bs: int) -> None:
+        """Writes what a replay of the ``bs``-row multi-step graph reads for ``step`` (a
+        decode batch of at most ``bs`` rows, each ``graph_sampling.is_unfiltered``): the
+        step's input buffers and every step's sampling rows, padded to ``bs``."""
+        assert self.sampling is not None, "no multi-step graphs: num_steps is 1"
+        self.inputs.load(step, pad_to=bs)
+        self.sampling.load(step.seqs, bs)
+
     def capture(self) -> None:
         """Warms up, then captures, every batch size, largest first (smaller graphs reuse the
         pool's memory)."""
-        self.inputs.fill_padding()
         bodies: list[tuple[int, Callable[[], torch.Tensor], tuple[torch.Tensor, ...]]] = []
         for bs in reversed(self.batch_sizes):
             bodies.append((bs, partial(self._forward, bs), ()))
@@ -97,7 +116,7 @@ class DecodeGraphs:
                 tokens, logprobs = self.mm.empty_many(shapes, RUNTIME)
                 steps = partial(self._steps, bs, tokens, logprobs)
                 bodies.append((bs, steps, (tokens, logprobs)))
-        self._warm_up([body for _, body, _ in bodies])
+        self._warm_up([(bs, body) for bs, body, _ in bodies])
         self.mm.residual.mark("the decode graphs warmed up (kernels loaded)")
         clear_cublas_workspaces()  # capture allocates its own, in the graph pool
         for bs, body, outputs in bodies:
@@ -111,17 +130,23 @@ class DecodeGraphs:
         clear_cublas_workspaces()  # the warm-up stream's: nothing outlives capture untagged
         self.mm.residual.mark("the decode graphs were captured (graph executables)")
 
-    def _warm_up(self, bodies: list[Callable[[], torch.Tensor]]) -> None:
-        """Runs every body once on one side stream: compiles and loads the kernels, creates the
-        cuBLAS handle, so that none of it happens inside a capture."""
+    def _warm_up(self, bodies: list[tuple[int, Callable[[], torch.Tensor]]]) -> None:
+        """Runs every body once on one side stream, on padding rows: compiles and loads the
+        kernels, creates the cuBLAS handle, so that none of it happens inside a capture."""
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        for body in bodies:
+        for bs, body in bodies:
+            self._fill_padding(bs)  # the last warm-up advanced the multi-step inputs
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 body()
             torch.cuda.current_stream().wait_stream(stream)
-            self.inputs.fill_padding()  # the warm-up advanced the multi-step inputs
-            stream.wait_stream(torch.cuda.current_stream())
+        self._fill_padding(self.batch_sizes[-1])
+
+    def _fill_padding(self, bs: int) -> None:
+        """Makes every row a dummy sequence, the sampling rows of a ``bs``-row graph too."""
+        self.inputs.fill_padding()
+        if self.sampling is not None:
+            self.sampling.fill_padding(bs)
 
     def _capture(self, body: Callable[[], torch.Tensor]) -> CapturedGraph:
         graph = torch.cuda.CUDAGraph()
@@ -148,15 +173,23 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _steps(self, bs: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """The multi-step graph's body: ``num_steps`` decode steps of the ``bs`` rows the
+        buffers hold (``load_multi_step``), each sampled as ``ModelRunner._sample`` samples
+        an unfiltered batch, tokens into ``tokens`` [N, bs] and packed logprobs into
+        ``logprobs`` [N, bs, w]. Runs eagerly too (the CPU tests check it against single
+        steps); it never synchronizes with the host."""
+        assert self.sampling is not None, "no multi-step graphs: num_steps is 1"
         i, block_size = self.inputs, self.inputs.block_size
         ids, positions, slots = i.input_ids[:bs], i.positions[:bs], i.slot_mapping[:bs]
         seq_lens, tables = i.seq_lens[:bs], i.block_tables[:bs]
-        for step in range(self.num_steps):
+        mode = self.logprobs_mode
+        keep_processed = mode.startswith("processed")
+        for step, sampling in enumerate(self.sampling.rows(bs)):
             logits = self._forward(bs)
-            token = logits.argmax(dim=-1)
+            token, processed = sample_and_process(logits, sampling, keep_processed)
             tokens[step].copy_(token)
-            packed = packed_logprobs(logits, token, self.num_top_logprobs, self.logprobs_mode)
-            logprobs[step].copy_(packed)
+            values = logits if processed is None else processed
+            logprobs[step].copy_(packed_logprobs(values, token, self.num_top_logprobs, mode))
             if step + 1 == self.num_steps:
                 break
             ids.copy_(token)

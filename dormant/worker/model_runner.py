@@ -12,6 +12,10 @@ Sampling after the logits, in vLLM's order (``worker/sampler.py``, ``worker/pena
 raw logprobs → bad words, ``min_tokens``, penalties → greedy argmax, or temperature, min-p,
 top-k, top-p and a seeded draw → processed logprobs → gather the sampled token's and the top-k.
 
+A fused multi-step decode (``execute_multi_step``) runs ``num_steps`` steps in one replay; each
+step samples in the graph as ``_sample`` samples (greedy rows and random rows without top-k,
+top-p or min-p alike), so its tokens and logprobs are those of single steps.
+
 A step with fork rows (``StepInput.has_forks``) runs eagerly: the forward computes the other
 rows, its ``block_copies`` follow it, and each fork row samples from its leader's logits row
 (one gather), with its own parameters.
@@ -32,6 +36,7 @@ from dormant.memory import MemoryManager
 from dormant.models import CausalLM
 from dormant.worker.block_copy import BlockCopier
 from dormant.worker.cuda_graphs import DecodeGraphs
+from dormant.worker.graph_sampling import is_unfiltered
 from dormant.worker.input_buffers import InputBuffers, Staging
 from dormant.worker.logprobs import (
     HostCopy,
@@ -87,6 +92,8 @@ class ModelRunner:
             self.model, self.inputs, self.mm, list(sizes), config.cuda_graph_multi_steps,
             config.max_model_len, self.logprobs_mode, self.multi_step_top_logprobs,
         )  # fmt: skip
+        if self.graphs.sampling is not None:  # the multi-step graphs read them at these
+            self.mm.guard_addresses("decode_graphs.sampling", self.graphs.sampling.tensors)
         with torch.inference_mode():
             self.graphs.capture()
 
@@ -115,12 +122,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_multi_step(self, step: StepInput) -> StepOutput:
-        """``num_steps`` greedy decode steps per sequence, with their logprobs where asked.
+        """``num_steps`` decode steps per sequence, with their logprobs where asked: the
+        tokens and logprobs of ``num_steps`` single ``execute`` steps, each token fed back.
 
         The fused multi-step graph runs them in one replay when the batch fits it (see
-        ``fits_multi_step_graph``); otherwise they run as single steps, with the same results.
-        Preconditions: a decode step of greedy requests whose block tables already cover
-        positions up to ``start_position + num_steps - 1``, within ``max_model_len``.
+        ``fits_multi_step_graph``: greedy rows and unfiltered random rows); otherwise they run
+        as single steps, with the same results.
+        Preconditions: a decode step whose block tables already cover positions up to
+        ``start_position + num_steps - 1``, within ``max_model_len``.
         """
         if self.graphs is None or not self.graphs.multi_step:
             raise RuntimeError(
@@ -128,13 +137,15 @@ class ModelRunner:
                 "cuda_graph_multi_steps > 1"
             )
         padded = self.graphs.padded_size(len(step.seqs))
-        if step.is_prefill or padded is None:
-            raise ValueError("multi-step graphs run decode batches of at most the largest size")
-        if not all(s.params.is_greedy for s in step.seqs):
-            raise ValueError("multi-step decoding is greedy: every request needs temperature 0")
+        if step.is_prefill or step.has_forks or padded is None:
+            raise ValueError(
+                "multi-step graphs run decode batches (no prefill, no fork rows) of at most "
+                f"{self.graphs.batch_sizes[-1]} sequences; got {len(step.seqs)} rows, "
+                f"is_prefill={step.is_prefill}, has_forks={step.has_forks}"
+            )
         if self.is_logits_patched or not self.fits_multi_step_graph(step.seqs):
             return self.execute_single_steps(step, self.graphs.num_steps)
-        self.inputs.load(step, pad_to=padded)
+        self.graphs.load_multi_step(step, padded)
         captured = self.graphs.multi_step[padded]
         captured.graph.replay()
         num_seqs = len(step.seqs)
@@ -155,15 +166,21 @@ class ModelRunner:
         return "compute_logits" in vars(self.model)
 
     def fits_multi_step_graph(self, seqs: SequenceOf[SeqInput]) -> bool:
-        """Whether the fused graph computes what these greedy decode rows ask: plain argmax
-        (no bad words, ``min_tokens`` mask or penalties) and at most the top logprobs it
-        carries. (Greedy rows' processed logits are their logits, so every logprobs mode fits.)
+        """Whether the fused graph computes what these decode rows ask: each greedy, or random
+        without top-k, top-p or min-p filtering (``graph_sampling.is_unfiltered``); no bad
+        words, ``min_tokens`` mask or penalties; at most the top logprobs it carries, in the
+        logprobs mode it was captured with (raw or processed, logprobs or logits).
         """
         num_top = _max_logprobs(seqs, self.vocab_size)
         if num_top is not None and num_top > self.multi_step_top_logprobs:
             return False
+        captured_mode = self.logprobs_mode if self.graphs is None else self.graphs.logprobs_mode
+        if num_top is not None and captured_mode != self.logprobs_mode:
+            return False
+        vocab_size = self.vocab_size
         return all(
-            not s.masked_stop_token_ids
+            is_unfiltered(s.params, vocab_size)
+            and not s.masked_stop_token_ids
             and not s.bad_words_token_ids
             and (s.params.repetition_penalty, s.params.presence_penalty) == (1.0, 0.0)
             and s.params.frequency_penalty == 0.0

@@ -150,7 +150,8 @@ def test_single_steps_equal_separate_decodes(worker: Worker) -> None:
 
 def test_multi_step_graph_body_equals_single_steps(worker: Worker) -> None:
     """The fused graph's body, run eagerly on the CPU (capturing needs CUDA): its tokens and
-    packed logprobs, cut to the batch's top-k, are what single steps return."""
+    packed logprobs, cut to the batch's top-k, are what single steps return (greedy rows here;
+    test_multi_step_sampling.py mixes in random ones)."""
     runner = worker.runner
     params = [SamplingParams(temperature=0.0, logprobs=3)] * 3
     step = decode_batch(worker, params)
@@ -171,7 +172,7 @@ def test_multi_step_graph_body_equals_single_steps(worker: Worker) -> None:
     tokens = torch.empty(4, 4, dtype=torch.int64)
     packed = torch.empty(4, 4, packed_width(runner.multi_step_top_logprobs), dtype=torch.int32)
     with torch.inference_mode():
-        runner.inputs.load(step, pad_to=4)
+        graphs.load_multi_step(step, 4)
         graphs._steps(4, tokens, packed)
     entries = unpack_logprobs(trim_top(packed[:, :3], 3).reshape(12, -1).numpy())
     for row in range(3):
