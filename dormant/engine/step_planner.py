@@ -206,14 +206,16 @@ class StepPlanner:
 
     def _num_decode_steps(self, seqs: list[Sequence]) -> int:
         """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every
-        sequence is greedy and has that many tokens left to make, and the blocks of the extra
-        positions are free (they are taken here); else one step. A sequence that stops on a
-        token before the last step drops the tokens after it."""
+        sequence has that many tokens left to make within ``max_model_len``, and the blocks of
+        the extra positions are free (they are taken here); else one step. Greedy and sampled
+        requests alike: the worker's steps sample as single steps do (its fused graph, or
+        single steps for rows it does not fit). A sequence that stops on a token before the
+        last step drops the tokens after it."""
         num_steps, config = self.config.num_decode_steps, self.config
         if num_steps == 1 or self.waiting or len(seqs) > config.max_multi_step_seqs:
             return 1
         for seq in seqs:
-            if not seq.params.is_greedy or seq.num_tokens + num_steps - 1 > config.max_model_len:
+            if seq.num_tokens + num_steps - 1 > config.max_model_len:
                 return 1
             if stopping.max_tokens(seq, config.max_model_len) - seq.num_output_tokens < num_steps:
                 return 1

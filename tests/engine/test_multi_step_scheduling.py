@@ -1,5 +1,5 @@
-"""Scheduling fused multi-step decodes: when a batch runs several greedy steps at once, the
-blocks it takes ahead, and how its tokens are applied."""
+"""Scheduling fused multi-step decodes: when a batch runs several steps at once (greedy and
+sampled requests alike), the blocks it takes ahead, and how its tokens are applied."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def make_scheduler(
 
 
 def add(scheduler: Scheduler, factory: SequenceFactory, num_tokens: int, **params) -> Sequence:
-    seq = factory.create([FILLER] * num_tokens, SamplingParams(temperature=0.0, **params))
+    params.setdefault("temperature", 0.0)
+    seq = factory.create([FILLER] * num_tokens, SamplingParams(**params))
     scheduler.add(seq)
     return seq
 
@@ -66,8 +67,45 @@ def test_a_sequence_stopping_mid_batch_drops_the_later_tokens() -> None:
     assert going.output_token_ids[-STEPS:] == [9, 9, 9, 9]
 
 
+def test_sampled_decodes_run_several_steps_beside_greedy_ones() -> None:
+    """Random requests, filtered or not, penalised or not, with or without a seed: the worker
+    samples each step as a single step would (its fused graph, or single steps for the rows
+    the graph does not fit), so the scheduler no longer asks for greedy ones."""
+    scheduler, factory = make_scheduler(), SequenceFactory()
+    seqs = [
+        add(scheduler, factory, 4, temperature=1.0, seed=1, max_tokens=20),
+        add(scheduler, factory, 5, temperature=0.8, max_tokens=20),
+        add(scheduler, factory, 6, max_tokens=20),
+        add(scheduler, factory, 3, temperature=1.0, top_p=0.9, presence_penalty=0.5),
+    ]
+    prefill(scheduler)
+    batch = scheduler.schedule()
+    assert batch is not None and not batch.is_prefill
+    assert batch.num_steps == STEPS and batch.num_scheduled_tokens == len(seqs) * STEPS
+    for seq in seqs:
+        assert len(seq.block_table) * 4 >= seq.num_tokens + STEPS - 1
+    scheduler.postprocess_steps(batch, [[1, 2, 3, 4]] * len(seqs))
+    assert all(seq.output_token_ids[-STEPS:] == [1, 2, 3, 4] for seq in seqs)
+    scheduler.block_manager.check_invariant(seqs)
+
+
+def test_a_sampled_sequence_stopping_mid_batch_drops_the_later_tokens() -> None:
+    scheduler, factory = make_scheduler(), SequenceFactory()
+    stopping = add(scheduler, factory, 4, temperature=1.0, seed=3, max_tokens=20)
+    going = add(scheduler, factory, 4, temperature=1.0, seed=4)
+    prefill(scheduler)
+    batch = scheduler.schedule()
+    assert batch is not None and batch.num_steps == STEPS
+    finished = scheduler.postprocess_steps(batch, [[3, 5, EOS, 6], [9, 9, 9, 9]])
+    assert finished == [stopping] and stopping.finish_reason is FinishReason.STOP
+    assert stopping.output_token_ids[-3:] == [3, 5, EOS] and stopping.block_table == []
+    assert going.output_token_ids[-STEPS:] == [9, 9, 9, 9]
+    batch = scheduler.schedule()  # the one left runs on, still several steps at once
+    assert batch is not None and batch.seqs == (going,) and batch.num_steps == STEPS
+
+
 @pytest.mark.parametrize(
-    "case", ["sampled", "few tokens left", "near max_model_len", "waiting", "too many seqs"]
+    "case", ["few tokens left", "near max_model_len", "waiting", "too many seqs"]
 )
 def test_one_step_when_several_would_not_be_right(case: str) -> None:
     scheduler = make_scheduler(
@@ -76,10 +114,7 @@ def test_one_step_when_several_would_not_be_right(case: str) -> None:
         max_num_seqs=1 if case == "waiting" else 8,
     )
     factory = SequenceFactory()
-    if case == "sampled":
-        scheduler.add(factory.create([FILLER] * 4, SamplingParams(temperature=1.0, seed=1)))
-    else:
-        add(scheduler, factory, 4, max_tokens=3 if case == "few tokens left" else 16)
+    add(scheduler, factory, 4, temperature=1.0, max_tokens=3 if case == "few tokens left" else 16)
     if case == "too many seqs":
         add(scheduler, factory, 4, max_tokens=16)
     prefill(scheduler)
