@@ -145,12 +145,22 @@ def sample_and_process(
         )
     if t.is_all_greedy:
         return logits.argmax(dim=-1), logits if keep_processed else None
-    if not t.is_any_filtered and use_triton(logits) and logits.stride(-1) == 1:
+    if not t.is_any_filtered and use_triton(logits) and _is_unit_stride(logits, t):
         from dormant.layers.triton_sampling import fused_race  # needs Triton (CUDA)
 
         tokens = fused_race(logits, t.temperatures, t.noise_keys, t.is_greedy)
         return tokens, logits / t.temperatures[:, None] if keep_processed else None
     return sample_reference(logits, t, keep_processed)
+
+
+def _is_unit_stride(logits: torch.Tensor, t: SamplingTensors) -> bool:
+    """Whether the fused draw can read these tensors: each row (and each key row) contiguous."""
+    return (
+        logits.stride(-1) == 1
+        and t.noise_keys.stride(-1) == 1
+        and t.temperatures.stride(0) == 1
+        and t.is_greedy.stride(0) == 1
+    )
 
 
 def sample_reference(

@@ -94,3 +94,22 @@ def check_the_constants_are_the_samplers() -> None:
     assert (fused._MIX_1.value, fused._MIX_2.value) == sampler._MIX_MULTIPLIERS
     assert fused._UNIFORM_BITS.value == sampler._NUM_UNIFORM_BITS
     assert fused._UNIFORM_SCALE.value == 2.0**-sampler._NUM_UNIFORM_BITS
+
+
+def hopper_ptx() -> str:
+    """The draw kernel compiled for sm_90 (H100/H200), as PTX; needs Triton, not a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dormant.layers import triton_sampling as fused
+
+    pointers = dict(
+        logits_ptr="*fp32", row_max_ptr="*fp32", temperatures_ptr="*fp32", greedy_ptr="*u8",
+        keys_ptr="*i64", best_ptr="*fp32", column_ptr="*i64",
+    )  # fmt: skip
+    scalars = dict.fromkeys(("vocab", "stride_row", "stride_keys", "num_segments"), "i32")
+    constants = {"SEGMENT": fused._SEGMENT, "BLOCK": fused._BLOCK, "LIBDEVICE": True}
+    signature = {**pointers, **scalars, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=fused._race_kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

@@ -32,6 +32,15 @@ def test_the_fused_draw_in_the_triton_interpreter() -> None:
     assert result.stdout.count("ok") == len(checks.SHAPES), result.stdout
 
 
+def test_the_kernel_compiles_for_hopper() -> None:
+    """The compiler's own checks (types of loop-carried values, integer promotion) and the
+    rounding it emits, without a GPU: IEEE division, no approximate one."""
+    pytest.importorskip("triton")
+    ptx = checks.hopper_ptx()
+    assert "div.rn.f32" in ptx
+    assert "div.full.f32" not in ptx and "div.approx.f32" not in ptx
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", checks.SHAPES + checks.GPU_SHAPES)
 def test_the_fused_draw_on_the_gpu(shape: tuple[int, int]) -> None:
