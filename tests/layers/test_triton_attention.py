@@ -4,14 +4,11 @@ of the prefill kernel's tests, with one new token per sequence."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.layers.test_triton_prefill import REPO, relative_error, tolerance
+from tests.layers.test_triton_prefill import relative_error, tolerance
+from tests.triton_interpreter import run_interpreted
 
 # seq lens: a first token, block-aligned, mid-block, a long context over many splits
 DECODE_BATCH = [(1, 1), (17, 1), (100, 1), (333, 1), (16, 1), (3000, 1)]
@@ -62,8 +59,6 @@ def test_decode_kernel_in_the_triton_interpreter() -> None:
         "    print(case, error)\n"
         "    assert error < t.tolerance(case[1]), (case, error)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-c", script]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_interpreted(script, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("\n") == len(INTERPRETER_CASES), result.stdout

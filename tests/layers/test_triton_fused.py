@@ -7,10 +7,6 @@ cannot emulate bf16), in a subprocess because ``TRITON_INTERPRET`` is read at im
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -19,6 +15,7 @@ from dormant.layers.activation import SiluAndMul
 from dormant.layers.attention import write_kv_cache
 from dormant.layers.norm import RMSNorm
 from dormant.layers.rotary import RotaryEmbedding
+from tests.triton_interpreter import run_interpreted
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -156,10 +153,6 @@ print("interpreted: ok")
 
 def test_kernels_through_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, cwd=root
-    )
+    result = run_interpreted(INTERPRETED)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreted: ok" in result.stdout

@@ -8,13 +8,9 @@ fp32 and fp16 only: the interpreter casts float32 to bf16 by truncating (1 + 3/5
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.layers.test_triton_prefill import REPO
+from tests.triton_interpreter import run_interpreted
 
 SCRIPT = """
 import torch
@@ -31,10 +27,7 @@ print("ok dispatch")
 
 def test_the_direct_path_in_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    command = [sys.executable, "-c", SCRIPT]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_interpreted(SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     from tests.layers.moe_kernel_checks import DIRECT_SHAPES
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +13,7 @@ import torch
 
 from dormant.layers.attention import paged_attention_reference
 from tests.layers.attention_metadata import build_attention_metadata
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import run_interpreted
 
 # (seq_len, query_len): a fresh prompt; a cached prefix of 37 (not block-aligned) + 20 new; one
 # token over a long context; a long prompt spanning several query tiles; a long chunk over a
@@ -135,8 +131,6 @@ def test_prefill_kernel_in_the_triton_interpreter() -> None:
         "    print(case, error)\n"
         "    assert error < t.tolerance(case[1]), (case, error)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-c", script]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_interpreted(script, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("\n") == len(INTERPRETER_CASES), result.stdout

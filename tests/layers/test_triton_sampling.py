@@ -4,14 +4,10 @@ read when triton is imported), and on the GPU at the rollout's vocabulary and ba
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.layers import sampling_checks as checks
-from tests.layers.test_triton_prefill import REPO
+from tests.triton_interpreter import run_interpreted
 
 SCRIPT = """
 from tests.layers import sampling_checks as checks
@@ -24,10 +20,7 @@ for shape in checks.SHAPES:
 
 def test_the_fused_draw_in_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    command = [sys.executable, "-c", SCRIPT]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_interpreted(SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok") == len(checks.SHAPES), result.stdout
 

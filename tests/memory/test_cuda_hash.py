@@ -4,15 +4,10 @@ triton is imported). The GPU runs the same kernels in tests/memory/test_unchange
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.triton_interpreter import run_interpreted
 
 
 def fmix32(h: np.ndarray) -> np.ndarray:
@@ -68,10 +63,7 @@ print("hash: ok")
 
 def test_hash_kernels_match_the_formula_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True
-    )
+    result = run_interpreted(SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "hash: ok" in result.stdout
 
