@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU suite: the GPU tests and the benchmarks, in one command, on a CUDA machine.
 #
-#   scripts/gpu_suite.sh [tests|bench|demo|memory|rollout|all] [test paths or pytest args...]
+#   scripts/gpu_suite.sh [tests|bench|demo|memory|rollout|pending|all] [test paths or pytest args...]
 #   (default: all; "memory" runs the memory layer's probes of issue 17, not part of "all";
-#   "rollout" runs benchmarks/rollout.py, issue 16's GRPO-shaped rollout, < 8 min, nor that)
+#   "rollout" runs benchmarks/rollout.py, issue 16's GRPO-shaped rollout, < 8 min, nor that;
+#   "pending" runs what was built on the CPU and waits for its first GPU run, < 8 min:
+#   benchmarks/RESULTS.md's "Built after the last call" lists it)
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
 # (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
@@ -58,6 +60,18 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   for probe in wake_after_release first_sleep kv_release engine_wake; do
     extra=$([[ $probe == wake_after_release ]] && echo --engine)
     python3 benchmarks/$probe.py $extra --out "$OUT/$probe.jsonl" 2>&1 | tee "$OUT/$probe.log"
+    status=$((status | PIPESTATUS[0]))
+  done
+fi
+if [[ $stage == pending ]]; then  # the fused sampler draw and the sampled multi-step graph
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/layers/test_triton_sampling.py \
+    tests/gpu/test_multi_step_sampling_gpu.py tests/gpu/test_logprobs_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
+  status=$((status | PIPESTATUS[0]))
+  python3 benchmarks/sampling.py --out "$OUT/sampling.jsonl" 2>&1 | tee "$OUT/sampling.log"
+  status=$((status | PIPESTATUS[0]))
+  for steps in 4 1; do
+    python3 benchmarks/rollout.py --quick --multi-steps $steps --out "$OUT/rollout-quick-ms$steps.jsonl" \
+      2>&1 | tee "$OUT/rollout-quick-ms$steps.log"
     status=$((status | PIPESTATUS[0]))
   done
 fi
