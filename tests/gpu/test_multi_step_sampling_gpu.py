@@ -16,6 +16,7 @@ from dormant import LLM, SamplingParams
 from dormant.worker.cuda_graphs import DecodeGraphs
 from tests.engine.conftest import PROMPTS, write_checkpoint
 from tests.gpu.conftest import make_engine
+from tests.gpu.test_engine_graphs import cycle
 
 pytestmark = pytest.mark.gpu
 STEPS = 4
@@ -79,15 +80,6 @@ def assert_same(ours: list[Completion], theirs: list[Completion]) -> None:
     assert [t for t, _ in ours] == [t for t, _ in theirs]
     for (_, a), (_, b) in zip(ours, theirs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=LOGPROB_ATOL, rtol=0)
-
-
-def cycle(llm: LLM, level: int) -> None:
-    """sleep(level) → wake weights → (refit) → wake KV, as RL frameworks run it."""
-    llm.sleep(level=level)
-    llm.wake_up(["weights"])
-    if level == 2:
-        llm.collective_rpc("reload_weights")
-    llm.wake_up(["kv_cache"])
 
 
 @pytest.mark.parametrize(
