@@ -61,10 +61,11 @@ def graphs_of(llm: LLM) -> DecodeGraphs:
     return graphs
 
 
-def completions(llm: LLM) -> list[Completion]:
-    """Each sample's tokens and its sampled tokens' logprobs, in request and sample order."""
+def completions(llm: LLM, params: list[SamplingParams] = PARAMS) -> list[Completion]:
+    """Each sample's tokens and its sampled tokens' logprobs, in request and sample order: one
+    request per params, on the first prompts (each sample ``MAX_TOKENS`` long)."""
     result = []
-    for output in llm.generate(PROMPTS, PARAMS):
+    for output in llm.generate(PROMPTS[: len(params)], params):
         for sample in output.outputs:
             assert sample.logprobs is not None and len(sample.token_ids) == MAX_TOKENS
             values = [e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs, strict=True)]

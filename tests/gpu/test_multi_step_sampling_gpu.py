@@ -14,14 +14,13 @@ import torch
 
 from dormant import LLM, SamplingParams
 from dormant.worker.cuda_graphs import DecodeGraphs
-from tests.engine.conftest import PROMPTS, write_checkpoint
+from tests.engine.conftest import write_checkpoint
+from tests.engine.test_multi_step_sampling_engine import MAX_TOKENS, Completion, completions
 from tests.gpu.conftest import make_engine
 from tests.gpu.test_engine_graphs import cycle
 
 pytestmark = pytest.mark.gpu
 STEPS = 4
-Completion = tuple[tuple[int, ...], list[float]]  # a sample's tokens, its tokens' logprobs
-MAX_TOKENS = 17  # one from the prefill, then 4 fused replays of 4 steps
 UNTIL = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
 SAMPLED = SamplingParams(n=4, temperature=1.0, seed=7, logprobs=0, **UNTIL)  # type: ignore[arg-type]
 # Greedy and processed-logprobs rows beside random ones, in one batch.
@@ -63,17 +62,6 @@ def graphs_of(llm: LLM) -> DecodeGraphs:
 def num_replays(llm: LLM, replays: Counter[int], kind: str) -> int:
     graphs = getattr(graphs_of(llm), kind)
     return sum(replays[id(captured.graph)] for captured in graphs.values())
-
-
-def completions(llm: LLM, params: list[SamplingParams]) -> list[Completion]:
-    """Each sample's tokens and its sampled tokens' logprobs, in request and sample order."""
-    result = []
-    for output in llm.generate(PROMPTS[: len(params)], params):
-        for sample in output.outputs:
-            assert sample.logprobs is not None and len(sample.token_ids) == MAX_TOKENS
-            values = [e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs, strict=True)]
-            result.append((sample.token_ids, values))
-    return result
 
 
 def assert_same(ours: list[Completion], theirs: list[Completion]) -> None:
