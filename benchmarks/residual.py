@@ -54,7 +54,7 @@ def run_case(case: str, timeout_s: float = 900.0) -> dict[str, Any]:
     silent or not, is killed, and the error names the last phase it reported."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     child = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--child", case],
+        child_command(case),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -96,6 +96,11 @@ def run_case(case: str, timeout_s: float = 900.0) -> dict[str, Any]:
 
 
 _TIMED_OUT = "<timed out>"
+
+
+def child_command(case: str) -> list[str]:
+    """The command that runs ``case`` in a fresh process (this file, as its child)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--child", case]
 
 
 def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:

@@ -8,7 +8,6 @@ included) brings back the very same drafts."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,14 +51,6 @@ def reference(mimo: tuple) -> list[tuple[int, ...]]:
 
 def _prompts() -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": p} for p in PROMPTS]
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.shutdown()
 
 
 def make(engines: list[LLM], path: Path, k: int = 3) -> LLM:

@@ -1,8 +1,9 @@
 """What the GPU tests share: small engines on the GPU, each shut down when its test ends, and a
 poisoning memory manager on the cuda backend (``cuda_mm``).
 
-A test takes the ``engines`` fixture and makes its engines with ``make_engine(engines,
-checkpoint, **options)``; ``options`` override ``ENGINE_DEFAULTS``.
+A test takes the ``engines`` fixture (tests/conftest.py: it shuts them down and frees torch's
+cache) and makes its engines with ``make_engine(engines, checkpoint, **options)``;
+``options`` override ``ENGINE_DEFAULTS``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,6 @@ MiB = 1 << 20
 ENGINE_DEFAULTS = dict(
     device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * MiB
 )
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    """The engines a test made with ``make_engine``; shut down, in order, when it ends."""
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.shutdown()
 
 
 @pytest.fixture

@@ -8,12 +8,10 @@ eager decodes."""
 from __future__ import annotations
 
 import multiprocessing as mp
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-import torch
 
 from dormant import LLM, SamplingParams
 from dormant.worker.ipc_weights import FLATTENED_BUCKET, flattened_bucket_request
@@ -39,16 +37,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         write_moe_checkpoint(tmp_path_factory.mktemp("moe_gpu_a"), seed=1, **SIZES),
         write_moe_checkpoint(tmp_path_factory.mktemp("moe_gpu_b"), seed=2, **SIZES),
     )
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    """Overrides the shared fixture (conftest.py): torch's cached blocks are freed too."""
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.shutdown()
-    torch.cuda.empty_cache()
 
 
 def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[tuple[int, ...]]:
