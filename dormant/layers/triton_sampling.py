@@ -65,7 +65,15 @@ def _log(x, LIBDEVICE: tl.constexpr):
     return tl.log(x)
 
 
-@triton.jit
+# One compiled kernel for every batch: the per-row vectors are views of a packed step buffer
+# (``sampler.SamplingTensors``) whose offsets, like ``stride_keys`` (the batch size), change
+# from step to step, and a specialisation on their alignment or value would recompile the
+# kernel (about 0.4 s) at the first step of each new shape. Their loads are scalar per row, so
+# the specialisation would gain nothing.
+_PER_ROW = ["row_max_ptr", "temperatures_ptr", "greedy_ptr", "keys_ptr", "best_ptr", "column_ptr"]
+
+
+@triton.jit(do_not_specialize=["stride_keys"], do_not_specialize_on_alignment=_PER_ROW)
 def _race_kernel(
     logits_ptr, row_max_ptr, temperatures_ptr, greedy_ptr, keys_ptr, best_ptr, column_ptr,
     vocab, stride_row, stride_keys, num_segments,

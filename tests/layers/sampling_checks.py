@@ -113,3 +113,35 @@ def hopper_ptx() -> str:
     signature = {**pointers, **scalars, **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(fn=fused._race_kernel, signature=signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def launch_specialisations(num_rows: int, vocab: int) -> tuple[object, ...]:
+    """What Triton keys the draw kernel's compiled binary on (each argument's type and its
+    value or alignment specialisation), for the arguments ``fused_race`` passes it on the eager
+    path: the sampling rows of ``SamplingTensors.from_sequences`` for ``num_rows`` random
+    sequences. Needs Triton, not a GPU."""
+    from triton.backends import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from dormant.core.sampling_params import SamplingParams
+    from dormant.engine.sequence import Sequence
+    from dormant.layers import triton_sampling as fused
+
+    seqs = [Sequence(i, [1], SamplingParams(temperature=1.0), seed=i) for i in range(num_rows)]
+    t = SamplingTensors.from_sequences(seqs, vocab, "cpu")
+    logits = torch.zeros((num_rows, vocab))
+    num_segments = -(-vocab // fused._SEGMENT)
+    best = torch.empty((num_rows, num_segments))
+    columns = torch.empty((num_rows, num_segments), dtype=torch.int64)
+    arguments = (
+        logits, logits.amax(dim=-1), t.temperatures, t.is_greedy.view(torch.uint8), t.noise_keys,
+        best, columns, vocab, logits.stride(0), t.noise_keys.stride(0), num_segments,
+    )  # fmt: skip
+    kernel = fused._race_kernel
+    return tuple(
+        native_specialize_impl(
+            BaseBackend, argument, False, not p.do_not_specialize,
+            not p.do_not_specialize_on_alignment,
+        )  # fmt: skip
+        for p, argument in zip(kernel.params, arguments, strict=False)
+    )

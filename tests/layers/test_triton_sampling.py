@@ -34,6 +34,16 @@ def test_the_kernel_compiles_for_hopper() -> None:
     assert "div.full.f32" not in ptx and "div.approx.f32" not in ptx
 
 
+def test_one_compiled_kernel_for_every_batch_size() -> None:
+    """The eager path's sampling rows sit at offsets of one packed buffer that move with the
+    batch size, as does ``stride_keys``: a specialisation on them recompiled the kernel (about
+    0.4 s) at the first step of each new batch shape, mid-rollout (H200 run of 2026-12-02)."""
+    pytest.importorskip("triton")
+    first = checks.launch_specialisations(1, 151936)
+    for num_rows in (2, 33, 128, 512):
+        assert checks.launch_specialisations(num_rows, 151936) == first, num_rows
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", checks.SHAPES + checks.GPU_SHAPES)
 def test_the_fused_draw_on_the_gpu(shape: tuple[int, int]) -> None:
