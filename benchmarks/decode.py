@@ -52,10 +52,21 @@ def device_copy_bandwidth(nbytes: int = 8 * GiB) -> float:
     return nbytes / statistics.median(times[1:])
 
 
-def decode_step(batch_size: int, context: int, block_size: int, blocks_per_seq: int) -> StepInput:
+def decode_step(batch_size: int, context: int, block_size: int, num_kv_blocks: int) -> StepInput:
+    """A greedy decode step of ``batch_size`` sequences at position ``context``, each with its
+    own blocks: the ``ceil((context + 1) / block_size)`` it needs, of the ``num_kv_blocks`` the
+    engine's KV cache holds (``llm.llm_engine.runtime.num_kv_blocks``). A block id beyond the
+    cache would be an illegal address in the attention kernels, so a step that does not fit
+    raises instead."""
+    per_seq = -(-(context + 1) // block_size)
+    if batch_size * per_seq > num_kv_blocks:
+        raise ValueError(
+            f"{batch_size} sequences at context {context} need {batch_size * per_seq} KV blocks"
+            f" of {block_size} tokens; the cache has {num_kv_blocks}"
+        )
     seqs = []
     for i in range(batch_size):
-        table = tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        table = tuple(range(i * per_seq, (i + 1) * per_seq))
         seqs.append(SeqInput((11,), context, table, GREEDY, seed=i, num_output_tokens=1))
     return StepInput(tuple(seqs), is_prefill=False)
 
@@ -91,9 +102,10 @@ def main() -> None:
     )
 
     block_size = llm.llm_engine.config.block_size
+    num_kv_blocks = llm.llm_engine.runtime.num_kv_blocks
     rows = []
     for batch_size in (1, 8, 64):
-        step = decode_step(batch_size, 512, block_size, 4096 // block_size)
+        step = decode_step(batch_size, 512, block_size, num_kv_blocks)
         times = time_steps(worker.execute, step)
         median = statistics.median(times[3:])
         row = rec.emit(
@@ -106,7 +118,7 @@ def main() -> None:
             x_roofline=median / roofline,
         )
         rows.append(row)
-    step = decode_step(1, 512, block_size, 4096 // block_size)
+    step = decode_step(1, 512, block_size, num_kv_blocks)
     multi = statistics.median(time_steps(worker.execute_multi_step, step)[3:])
     steps = llm.llm_engine.config.cuda_graph_multi_steps
     rows.append(

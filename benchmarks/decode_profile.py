@@ -80,7 +80,9 @@ def main() -> None:
     worker = llm.llm_engine.executor.worker
     runner = worker.runner
     block_size = llm.llm_engine.config.block_size
-    step = decode_step(args.batch_size, args.context, block_size, max_model_len // block_size)
+    step = decode_step(
+        args.batch_size, args.context, block_size, llm.llm_engine.runtime.num_kv_blocks
+    )
     if args.model == "moe":
         fill_kv_cache(worker.model)  # finite keys and values: the routing sees real activations
 

@@ -79,7 +79,7 @@ def bench_decode(rec: Recorder, llm: LLM, system: str, bandwidth: float, context
     block_size = llm.llm_engine.config.block_size
     rows = []
     for batch_size in BATCH_SIZES:
-        step = decode_step(batch_size, context, block_size, MAX_MODEL_LEN // block_size)
+        step = decode_step(batch_size, context, block_size, llm.llm_engine.runtime.num_kv_blocks)
         experts = count_routed_experts(worker, step)
         nbytes = step_bytes(worker.model, batch_size, context, experts)
         roofline = nbytes["total"] / bandwidth
@@ -169,7 +169,7 @@ def bench_sleep_wake(rec: Recorder, llm: LLM, bandwidth: float, context: int) ->
     llm.wake_up(["kv_cache"])
     level_1("level-1 (new weights: copied again)")
     block_size = llm.llm_engine.config.block_size
-    step = decode_step(1, context, block_size, MAX_MODEL_LEN // block_size)
+    step = decode_step(1, context, block_size, llm.llm_engine.runtime.num_kv_blocks)
     fill_kv_cache(worker.model)
     first, second = time_steps(worker.execute, step, repeats=2)
     rows.append(rec.emit(case="first decode after wake", system="dormant", batch_size=1,

@@ -1,0 +1,23 @@
+"""The benchmarks' synthetic decode step (``benchmarks/decode.py``) addresses only blocks the KV
+cache has: with a table as long as ``max_model_len`` per sequence, batch 512 addressed 131,072
+blocks of a 44,000-block cache, an illegal address on the H200 (run of 2026-12-02)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.decode import decode_step
+
+
+def test_each_sequence_gets_the_blocks_its_context_needs_within_the_cache() -> None:
+    step = decode_step(512, 768, 16, num_kv_blocks=44213)
+    tables = [seq.block_table for seq in step.seqs]
+    assert all(len(table) == 49 for table in tables)  # 769 positions in blocks of 16
+    blocks = [block for table in tables for block in table]
+    assert len(set(blocks)) == len(blocks) and max(blocks) < 44213
+    assert all(seq.start_position == 768 for seq in step.seqs)
+
+
+def test_a_step_that_does_not_fit_the_cache_raises() -> None:
+    with pytest.raises(ValueError, match="need 25088 KV blocks"):
+        decode_step(512, 768, 16, num_kv_blocks=25087)
