@@ -142,10 +142,13 @@ def _read_nvml(event: dict[str, Any]) -> dict[str, Any]:
 
 # ── the child ─────────────────────────────────────────────────────────────────────────────────
 def child_main(case: str) -> None:
+    import faulthandler
+
     import torch
 
     from dormant.memory.residual import pci_bus_id_of
 
+    faulthandler.dump_traceback_later(60, repeat=True)  # stderr: the stacks of a hang
     emit(event="hello", pci_bus_id=pci_bus_id_of(0))
     sys.stdin.readline()  # the parent read the device before this process had a context
     torch.cuda.init()
