@@ -17,17 +17,20 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).parent / "memory" / "fake_libcuda.c"
+NVML_SOURCE = Path(__file__).parent / "memory" / "fake_libnvml.c"
 
 
 def build(directory: Path, *, with_api: bool = True) -> Path:
-    """Compiles the fake into ``directory/libcuda.so.1``; returns the directory."""
+    """Compiles the fake into ``directory/libcuda.so.1``, and the fake NVML next to it
+    (``libnvidia-ml.so.1``); returns the directory."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         pytest.skip("needs a C compiler to build the fake libcuda")
     directory.mkdir(parents=True, exist_ok=True)
     flags = [] if with_api else ["-DNO_CHECKPOINT_API"]
-    out = directory / "libcuda.so.1"
-    subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", str(out), str(SOURCE)], check=True)
+    for source, name in ((SOURCE, "libcuda.so.1"), (NVML_SOURCE, "libnvidia-ml.so.1")):
+        out = str(directory / name)
+        subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", out, str(source)], check=True)
     return directory
 
 
@@ -36,12 +39,24 @@ class FakeDriver:
     log: Path
     monkeypatch: pytest.MonkeyPatch
 
-    def calls(self) -> list[str]:
-        """Each call the fake received: "<op> <pid> [<lock timeout ms>]"."""
+    def lines(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def calls(self) -> list[str]:
+        """Each checkpoint call the fake received: "<op> <pid> [<lock timeout ms>]"."""
+        return [line for line in self.lines() if not line.startswith("nvml ")]
+
+    def nvml_readers(self) -> list[int]:
+        """The pid of the process behind each NVML process query."""
+        return [int(line.split()[1]) for line in self.lines() if line.startswith("nvml ")]
 
     def ops(self) -> list[str]:
         return [line.split()[0] for line in self.calls()]
+
+    def set_nvml(self, pid: int, process_bytes: int, used_bytes: int) -> None:
+        """What the fake NVML reports: the device runs ``pid`` with ``process_bytes``."""
+        self.monkeypatch.setenv("FAKE_NVML_PROCESS", f"{pid}:{process_bytes}")
+        self.monkeypatch.setenv("FAKE_NVML_USED", str(used_bytes))
 
     def set(self, **behaviour: str) -> None:
         """``fail=``, ``hang=``, ``exit=`` an op, or ``version=`` (see fake_libcuda.c); takes
@@ -64,8 +79,8 @@ def fake_driver(
     monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_libraries[0]))
     log = tmp_path / "fake_cuda.log"
     monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
-    for key in ("FAIL", "HANG", "EXIT", "VERSION"):
-        monkeypatch.delenv(f"FAKE_CUDA_{key}", raising=False)
+    for key in ("CUDA_FAIL", "CUDA_HANG", "CUDA_EXIT", "CUDA_VERSION", "NVML_PROCESS", "NVML_USED"):
+        monkeypatch.delenv(f"FAKE_{key}", raising=False)
     yield FakeDriver(log, monkeypatch)
 
 

@@ -18,6 +18,12 @@ Protocol: one JSON object per line on stdin, one reply per line on stdout.
 | ``{"op": "lock", "pid": p, "timeout_ms": t}`` | ``{"ok": true, "seconds": ..., "state": s}``|
 | ``{"op": "checkpoint" / "restore" / "unlock", "pid": p}`` | the same                        |
 | ``{"op": "state", "pid": p}``             | ``{"ok": true, "state": s}``                    |
+| ``{"op": "memory", "pid": p, "pci_bus_id": b}`` | ``{"ok": true, "process_bytes": n,``      |
+|                                           | ``"device_used_bytes": u, "device_total_bytes": t}`` |
+
+``memory`` is NVML's accounting (``dormant/memory/nvml.py``, loaded by path: it imports only the
+standard library), null where unknown: a process whose CUDA state is locked blocks in its own
+NVML calls, so it asks here.
 
 A failure replies ``{"ok": false, "reason": r, "call": name, "code": c, "error": text, "state":
 s}``: ``reason`` is ``"library"`` (no libcuda), ``"init"`` (cuInit failed), ``"symbols"`` (the
@@ -31,6 +37,7 @@ import ctypes
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 MIN_DRIVER_VERSION = 12080  # CUDA 12.8, display driver 570: the driver API at utility parity
@@ -118,8 +125,31 @@ _OPS = {
 }
 
 
+_nvml: list[Any] = []  # dormant/memory/nvml.py, loaded at the first "memory" request
+
+
+def memory(pid: int, pci_bus_id: str) -> dict[str, Any]:
+    if not _nvml:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("nvml", Path(__file__).with_name("nvml.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _nvml.append(module)
+    process_bytes, device = _nvml[0].read(pci_bus_id, pid)
+    return {
+        "ok": True,
+        "process_bytes": process_bytes,
+        "device_used_bytes": None if device is None else device.used_bytes,
+        "device_total_bytes": None if device is None else device.total_bytes,
+    }
+
+
 def handle(driver: _Driver, request: dict[str, Any]) -> dict[str, Any]:
     op, pid = request.get("op"), int(request.get("pid", 0))
+    if op == "memory":  # NVML, not the driver API: answered whatever the driver lacks
+        return memory(pid, str(request["pci_bus_id"]))
     if driver.failure is not None:
         return {"ok": False, "state": None, **driver.failure}
     if op == "probe":

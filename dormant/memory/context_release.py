@@ -4,7 +4,8 @@
              garbage collector ─▶ lock + checkpoint (helper) ─▶ released
     while released: every manager call that needs the device raises ContextReleasedError at
              once instead of blocking in the locked driver; frees of tensors that die meanwhile
-             wait, and run right after the restore; status() reads NVML only
+             wait, and run right after the restore; status() has NVML's figures, read by the
+             helper (this process's own NVML calls block while it is locked)
     restore (wake_up does it first): restore + unlock (helper) ─▶ the collector runs again
              ─▶ the waiting frees run
 
@@ -23,7 +24,9 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
+from dormant.memory import nvml
 from dormant.memory.backend import Backend
 from dormant.memory.capture import check_not_capturing
 from dormant.memory.process_checkpoint import (
@@ -35,7 +38,17 @@ from dormant.memory.process_checkpoint import (
 from dormant.memory.serial import SerialSection
 from dormant.memory.status import ContextReport
 
-Measure = Callable[[], int | None]  # this process's device memory (NVML), None when unknown
+
+class Readings(Protocol):
+    """What the manager's residual ledger (``residual.ResidualLedger``) tells the release."""
+
+    @property
+    def pci_bus_id(self) -> str | None: ...
+
+    @property
+    def is_listed(self) -> bool: ...
+
+    def process_bytes(self) -> int | None: ...
 
 
 class ContextRelease:
@@ -46,8 +59,8 @@ class ContextRelease:
     Invariant: ``_pending`` is empty unless the context is released.
     """
 
-    def __init__(self, serial: SerialSection, backend: Backend, measure: Measure) -> None:
-        self._serial, self._backend, self._measure = serial, backend, measure
+    def __init__(self, serial: SerialSection, backend: Backend, readings: Readings) -> None:
+        self._serial, self._backend, self._readings = serial, backend, readings
         self._checkpoint: ProcessCheckpoint | None = None
         self._gc_was_enabled = False
         atexit.register(_restore_at_exit, weakref.ref(self))
@@ -102,7 +115,7 @@ class ContextRelease:
                 return self.last
             checkpointer = self._checked(checkpoint)
             self._backend.synchronize()
-            before = self._measure()
+            before = self._readings.process_bytes()
             self._gc_was_enabled = gc.isenabled()
             gc.disable()  # no collection may free a tensor (a CUDA call) while it is locked
             try:
@@ -110,8 +123,21 @@ class ContextRelease:
             except BaseException:
                 self._enable_gc()
                 raise
-            self.last = ContextReport(True, seconds, None, before, self._measure())
+            released = self.outside_reading().process_bytes
+            self.last = ContextReport(True, seconds, None, before, released)
             return self.last
+
+    def outside_reading(self) -> nvml.Reading:
+        """NVML's figures for this process and its device, read by the helper: safe while the
+        process is locked, when its own NVML calls would block (call it under the manager's
+        lock, with a checkpointer: after a ``check`` or ``release``)."""
+        bus, checkpointer = self._readings.pci_bus_id, self._checkpoint
+        if bus is None or checkpointer is None:
+            return nvml.UNKNOWN
+        reading = checkpointer.memory(bus)
+        if not self._readings.is_listed:  # a PID namespace: our pid is not the one NVML lists
+            reading = reading._replace(process_bytes=None)
+        return reading
 
     def restore(self) -> ContextReport | None:
         """Restores the CUDA state if it is released (None otherwise), then runs the frees
@@ -122,12 +148,9 @@ class ContextRelease:
             assert self._checkpoint is not None
             start = time.perf_counter()
             self._checkpoint.restore()
-            self.last = replace(
-                self.last,
-                is_released=False,
-                restore_s=time.perf_counter() - start,
-                process_bytes_restored=self._measure(),
-            )
+            restored = replace(self.last, is_released=False, restore_s=time.perf_counter() - start)
+            self.last = restored  # unlocked: this process may read NVML again
+            self.last = replace(restored, process_bytes_restored=self._readings.process_bytes())
             self._enable_gc()
             pending, self._pending = self._pending, []
             for work in pending:

@@ -33,7 +33,7 @@ from dormant.memory.slab_rules import SlabRule, tag_slab_rules
 from dormant.memory.sleep_wake import SleepWake
 from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
-from dormant.memory.status_report import status_of
+from dormant.memory.status_report import build_status, released_status
 from dormant.memory.tag_machine import asleep_policy, tag_states
 
 
@@ -88,7 +88,7 @@ class MemoryManager:
         self._guard = PointerGuard()
         self._serial = SerialSection()
         self.residual = ResidualLedger(self._table, self._serial)  # the residual, by owner
-        self.context = ContextRelease(self._serial, self.backend, self.residual.process_bytes)
+        self.context = ContextRelease(self._serial, self.backend, self.residual)
         self._front = Frontends(self._table, self._serial, self.context)
         self._user_tags = self._front.user_tags
         self._check_tags = self._front.check_tags
@@ -276,7 +276,11 @@ class MemoryManager:
         with self._serial.held():
             self._front.check_open()
             reports = (self.last_sleep, self.last_wake)
-            return status_of(self._table, *reports, self.residual, self.context.last)
+            context = self.context.last
+            if context is not None and context.is_released:  # no CUDA or NVML call here
+                reading = self.context.outside_reading()
+                return released_status(self._table, *reports, reading, context)
+            return build_status(self._table, *reports, self.residual, context)
 
     def tag_of(self, memory: torch.Tensor | int) -> str | None:
         """The tag whose memory holds ``memory`` (a tensor's first byte, or an address); None

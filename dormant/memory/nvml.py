@@ -1,11 +1,14 @@
 """The driver's own accounting of device memory, read through NVML (``libnvidia-ml.so.1``, which
 ships with the driver) by ctypes: per device, and per process.
 
-NVML is not the CUDA driver API: reading it never creates a CUDA context, and it answers while a
-process's CUDA state is locked or checkpointed (``process_checkpoint.py``), which a CUDA call
-would not. Every reading is optional: without NVML, or for a process NVML does not list (a PID
-namespace hides the host's process ids from a container), the functions return None and callers
-say the figure is unknown. Never an estimate.
+NVML is not the CUDA driver API: reading it never creates a CUDA context, and another process
+can read it about a process whose CUDA state is locked or checkpointed (``process_checkpoint.py``).
+The locked process itself cannot: its own NVML calls block until it is unlocked, as its CUDA calls
+do (seen on an H200, driver 580), so while released it reads through the checkpoint helper
+(``read`` is what the helper calls). This module imports only the standard library, so the
+helper loads it by path. Every reading is optional: without NVML, or for a process NVML does not
+list (a PID namespace hides the host's process ids from a container), the functions return None
+and callers say the figure is unknown. Never an estimate.
 """
 
 from __future__ import annotations
@@ -43,6 +46,16 @@ class _Memory(ctypes.Structure):
 class DeviceMemory(NamedTuple):
     used_bytes: int
     total_bytes: int
+
+
+class Reading(NamedTuple):
+    """One process's figure and the device's, read together (None: unknown)."""
+
+    process_bytes: int | None
+    device: DeviceMemory | None
+
+
+UNKNOWN = Reading(None, None)
 
 
 _lock = threading.Lock()
@@ -97,6 +110,11 @@ def process_memory(pci_bus_id: str, pid: int) -> int | None:
     if usage is None:
         return None
     return usage.get(pid, 0)
+
+
+def read(pci_bus_id: str, pid: int) -> Reading:
+    """``process_memory`` and ``device_memory`` at once."""
+    return Reading(process_memory(pci_bus_id, pid), device_memory(pci_bus_id))
 
 
 def compute_processes(pci_bus_id: str) -> dict[int, int] | None:

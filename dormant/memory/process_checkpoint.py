@@ -32,9 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dormant.memory import nvml
 from dormant.memory.errors import MemoryLayerError
 
 HELPER = Path(__file__).with_name("checkpoint_helper.py")
+MEMORY_TIMEOUT_S = 10.0
 
 
 class ContextReleaseError(MemoryLayerError):
@@ -148,6 +150,18 @@ class ProcessCheckpoint:
 
     def state(self) -> ProcessState | None:
         return _state(self._request({"op": "state"}, timeout_s=60.0))
+
+    def memory(self, pci_bus_id: str) -> nvml.Reading:
+        """NVML's figures for the target and its device, read by the helper: the target cannot
+        read them itself while locked (its NVML calls block too). Unknown (never an error)
+        when the helper cannot say in ``MEMORY_TIMEOUT_S``."""
+        try:
+            reply = self._request({"op": "memory", "pci_bus_id": pci_bus_id}, MEMORY_TIMEOUT_S)
+        except ContextReleaseError:
+            return nvml.UNKNOWN
+        used, total = reply.get("device_used_bytes"), reply.get("device_total_bytes")
+        device = None if used is None or total is None else nvml.DeviceMemory(used, total)
+        return nvml.Reading(reply.get("process_bytes"), device)
 
     def close(self) -> None:
         """Ends the helper (the target's state is left as it is)."""

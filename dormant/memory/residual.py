@@ -135,10 +135,17 @@ class ResidualLedger:
         self.last_release = release_torch_memory(self.device)
         return self.last_release
 
+    @property
+    def is_listed(self) -> bool:
+        """Whether NVML listed this process's pid when the manager started (with a context): a
+        PID namespace hides it."""
+        return self._is_listed
+
     def process_bytes(self) -> int | None:
         """NVML's figure for this process on the device (None when unknown: no NVML, or it did
-        not list this process when the manager started, with a context); safe while the
-        process's CUDA state is checkpointed (then it is 0)."""
+        not list this process when the manager started, with a context). Not while the
+        process's CUDA state is locked: its own NVML calls block then (``mm.context``'s
+        ``outside_reading`` reads through the checkpoint helper instead)."""
         if self._pci_bus_id is None or not self._is_listed:
             return None
         return nvml.process_memory(self._pci_bus_id, os.getpid())

@@ -3,6 +3,7 @@ allocations, and the residual by owner."""
 
 from __future__ import annotations
 
+from dormant.memory import nvml
 from dormant.memory.blocks import BlockTable
 from dormant.memory.residual import ResidualLedger
 from dormant.memory.states import State
@@ -18,19 +19,6 @@ from dormant.memory.tag_machine import count_states, tag_state
 
 UNOWNED = "not dormant's: CUDA context, NCCL, other libraries"
 CHECKPOINTED = "this process, its CUDA state checkpointed by the driver (NVML)"
-
-
-def status_of(
-    table: BlockTable,
-    last_sleep: SleepReport | None,
-    last_wake: WakeReport | None,
-    residual: ResidualLedger,
-    context: ContextReport | None,
-) -> MemoryStatus:
-    """The status: from NVML alone while the CUDA context is released, else in full."""
-    if context is not None and context.is_released:
-        return released_status(table, last_sleep, last_wake, residual, context)
-    return build_status(table, last_sleep, last_wake, residual, context)
 
 
 def build_status(
@@ -66,15 +54,16 @@ def released_status(
     table: BlockTable,
     last_sleep: SleepReport | None,
     last_wake: WakeReport | None,
-    ledger: ResidualLedger,
+    reading: nvml.Reading,
     context: ContextReport,
 ) -> MemoryStatus:
-    """The status while the process's CUDA state is checkpointed: no CUDA call (it would block
-    until the restore), so the device figures are NVML's; without NVML they are unknown (zero,
-    with a row saying so)."""
+    """The status while the process's CUDA state is checkpointed: no CUDA or NVML call of this
+    process (both block until the restore), so the device figures are NVML's as ``reading``
+    (``ContextRelease.outside_reading``) has them; without NVML they are unknown (zero, with a
+    row saying so)."""
     tags = tag_statuses(table)
     residual = _tag_rows(tags)
-    memory, process = ledger.device_memory(), ledger.process_bytes()
+    process, memory = reading
     used, total = (0, 0) if memory is None else memory
     if process is None:
         residual.append(ResidualItem(CHECKPOINTED + ": unknown, no NVML reading", 0))

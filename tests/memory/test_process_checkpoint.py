@@ -188,3 +188,46 @@ def test_a_process_that_exits_released_is_restored_first(fake_driver: FakeDriver
     done = subprocess.run([sys.executable, "-c", script], timeout=120, cwd=ROOT)
     assert done.returncode == 0
     assert fake_driver.ops() == ["lock", "checkpoint", "restore", "unlock"]
+
+
+def test_a_released_process_reads_nvml_only_through_the_helper(fake_driver, monkeypatch) -> None:
+    """A process whose CUDA state is locked blocks in its own NVML calls (an H200, driver 580:
+    ``sleep(level=2, release_context=True)`` hung reading NVML right after the checkpoint).
+    While released, the figures come from the helper: the report's and status()'s."""
+    from dormant.memory import nvml
+
+    mm = MemoryManager("host")
+    pid = os.getpid()
+    fake_driver.set_nvml(pid, process_bytes=0, used_bytes=3 * MiB)  # the GPU shows nothing
+
+    def own_reading(bus: str) -> dict[int, int]:  # what this process's NVML would answer
+        assert not mm.context.is_released, "the locked process read NVML itself"
+        return {pid: 900 * MiB}
+
+    monkeypatch.setattr(nvml, "compute_processes", own_reading)
+    monkeypatch.setattr(nvml, "device_memory", lambda bus: own_reading(bus) and None)
+    monkeypatch.setattr(mm.residual, "_pci_bus_id", "00000000:06:00.0")  # a CUDA manager's
+    monkeypatch.setattr(mm.residual, "_is_listed", True)
+    try:
+        tensor = mm.empty((MiB,), torch.uint8, "weights")
+        mm.sleep(level=2)
+        report = mm.context.release()
+        assert (report.process_bytes_before, report.process_bytes_released) == (900 * MiB, 0)
+        status = mm.status()
+        assert (status.device_used_bytes, status.device_total_bytes) == (3 * MiB, 141 * 10**9)
+        checkpointed = [r for r in status.residual if r.owner.startswith("this process")]
+        assert [r.nbytes for r in checkpointed] == [0]
+        assert set(fake_driver.nvml_readers()) == {checkpoint_helper_pid(fake_driver)}
+        mm.wake_up()
+        restored = mm.status().context
+        assert restored is not None and restored.process_bytes_restored == 900 * MiB
+    finally:
+        mm.close()
+    del tensor
+
+
+def checkpoint_helper_pid(fake_driver: FakeDriver) -> int:
+    """The helper's pid: the one the fake NVML saw that is not this process (it must be)."""
+    readers = set(fake_driver.nvml_readers()) - {os.getpid()}
+    assert len(readers) == 1, fake_driver.lines()
+    return readers.pop()
