@@ -14,14 +14,22 @@ Split-KV ("flash decoding"), in two kernels:
 2. One program per (sequence, query head) merges the splits, weighting each by its share of
    the softmax mass.
 
-The split count depends only on ``max_seq_len`` (a host int, fixed for a captured graph), so a
-graph replays for any context length. Without the split, a batch-1 step of an 8B model had 8
-programs for 132 SMs and attention took a quarter of the step (41 µs per layer at 512 tokens).
+The split count depends only on the batch size and ``max_seq_len`` (host ints, fixed for a
+captured graph), so a graph replays for any context length (``plan_splits``). Splits are for
+parallelism: without them a batch-1 step of an 8B model had 8 programs for 132 SMs and attention
+took a quarter of the step (41 µs per layer at 512 tokens). They cost traffic: every non-empty
+split writes a float32 partial output per query head, which the merge reads back, 4 KiB per
+(sequence, kv head, split) at a group of 4 and head_dim 128, against 32 KiB of bf16 KV in a
+64-position split. So a batch that fills the GPU by itself takes fewer splits, and one split
+writes its output directly, with no merge: at batch 512 the 32 splits of 64 positions cost 12 %
+more traffic and a merge of 1.9 ms per step (H200, ``benchmarks/decode_profile.py``).
 Cache entries past ``seq_lens`` are never read, so poisoned (NaN) or stale slots cannot leak
 into the output.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -32,6 +40,9 @@ from dormant.layers.triton_paged import attend_tile
 
 BLOCK_N = 64  # positions per tile
 MAX_NUM_SPLITS = 32
+# Split programs a launch aims at, per SM: a batch with this many (sequence, kv head) pairs per
+# SM is not split at all.
+PROGRAMS_PER_SM = 8
 
 
 @triton.jit
@@ -39,6 +50,7 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr,
     v_scale_ptr, sm_scale,
     stride_q_seq, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
+    stride_o_seq, stride_o_head,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
@@ -54,7 +66,7 @@ def _split_kernel(
     # partials are [num_seqs, NUM_HEADS, NUM_SPLITS] (+ [HEAD_DIM] for the outputs)
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     start = split * SPLIT_LEN
-    if start >= seq_len:
+    if NUM_SPLITS > 1 and start >= seq_len:  # (one split: split 0, never empty)
         tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), g_mask)
         return
     end = tl.minimum(seq_len, start + SPLIT_LEN)
@@ -77,6 +89,12 @@ def _split_kernel(
             valid[None, :], kv_head, d, k_scale, v_scale, sm_scale, stride_block, stride_slot,
             stride_kv_head, BLOCK_SIZE, IS_FP8, DOT_PRECISION,
         )  # fmt: skip
+    if NUM_SPLITS == 1:  # the output itself (part_out_ptr is the output tensor): no merge
+        o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+        out = acc / denom[:, None]
+        tl.store(part_out_ptr + o_offsets, out.to(part_out_ptr.dtype.element_ty),
+                 mask=g_mask[:, None])  # fmt: skip
+        return
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
              mask=g_mask[:, None])  # fmt: skip
     tl.store(part_lse_ptr + part, m + tl.log(denom), mask=g_mask)
@@ -102,10 +120,25 @@ def _merge_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty))
 
 
-def split_len(max_seq_len: int) -> int:
-    """Positions per split: a whole number of tiles, and at most ``MAX_NUM_SPLITS`` splits."""
-    tiles = triton.cdiv(triton.cdiv(max_seq_len, MAX_NUM_SPLITS), BLOCK_N)
-    return tiles * BLOCK_N
+def plan_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
+) -> tuple[int, int]:
+    """(splits, positions per split) of a decode launch: about ``PROGRAMS_PER_SM`` programs
+    per SM, at most ``MAX_NUM_SPLITS`` splits of whole tiles covering ``max_seq_len``; one
+    split when the batch's (sequence, kv head) pairs reach that count alone."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+    max_tiles = triton.cdiv(max_seq_len, BLOCK_N)
+    num_splits = max(1, min(wanted, MAX_NUM_SPLITS, max_tiles))
+    length = triton.cdiv(max_tiles, num_splits) * BLOCK_N
+    return triton.cdiv(max_seq_len, length), length
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (an H200's 132 off CUDA: Triton's interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_decode_attention(
@@ -118,24 +151,29 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """``query`` ``[num_seqs, num_heads, head_dim]`` (one token per sequence) → same shape.
 
-    Preconditions: decode (``meta.max_query_len == 1``); ``seq_lens <= meta.max_seq_len``;
+    Preconditions: decode (``meta.max_query_len == 1``); ``1 <= seq_lens <= meta.max_seq_len``;
     ``head_dim`` a power of two, at least 16. Any block size.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    length = split_len(meta.max_seq_len)
-    num_splits = triton.cdiv(meta.max_seq_len, length)
-    part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                           device=query.device)  # fmt: skip
-    part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
-                           device=query.device)  # fmt: skip
+    num_splits, length = plan_splits(
+        num_seqs, num_kv_heads, meta.max_seq_len, num_sms(query.device)
+    )
+    out = torch.empty_like(query)
+    if num_splits == 1:  # the split kernel writes ``out``; no partials, no merge
+        part_out, part_lse = out, out
+    else:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=query.device)  # fmt: skip
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                               device=query.device)  # fmt: skip
     keys, values = kv_cache[0], kv_cache[1]
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, keys, values, meta.block_tables, meta.seq_lens, part_out, part_lse, k_scale,
         v_scale, scale,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        meta.block_tables.stride(0),
+        meta.block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLIT_LEN=length, GROUP=group,
         GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
@@ -143,7 +181,8 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4,
         num_stages=2,
     )  # fmt: skip
-    out = torch.empty_like(query)
+    if num_splits == 1:
+        return out
     _merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,

@@ -19,9 +19,18 @@ SMALL_DECODE_BATCH = [(1, 1), (17, 1), (70, 1), (130, 1)]
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (32, 8), (16, 2)])
 @pytest.mark.parametrize("max_seq_len", [None, 4096, 40960])  # eager, and as graphs see it
+@pytest.mark.parametrize("programs_per_sm", [8, 0])  # split as a small batch is; one split
 def test_decode_kernel_matches_the_reference(
-    cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, max_seq_len: int | None
+    cache_dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int | None,
+    programs_per_sm: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from dormant.layers import triton_attention
+
+    monkeypatch.setattr(triton_attention, "PROGRAMS_PER_SM", programs_per_sm)
     query_dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
     cuda = torch.device("cuda")
     error = relative_error(
@@ -48,11 +57,14 @@ INTERPRETER_CASES = [  # (cache, query, heads, kv heads, head_dim, block_size, m
 ]
 
 
-def test_decode_kernel_in_the_triton_interpreter() -> None:
+@pytest.mark.parametrize("programs_per_sm", [8, 0])  # split as a small batch is; one split
+def test_decode_kernel_in_the_triton_interpreter(programs_per_sm: int) -> None:
     pytest.importorskip("triton")
     script = (
         "import torch\n"
+        "from dormant.layers import triton_attention\n"
         "from tests.layers import test_triton_attention as t\n"
+        f"triton_attention.PROGRAMS_PER_SM = {programs_per_sm}\n"
         "for *case, max_seq_len in t.INTERPRETER_CASES:\n"
         "    error = t.relative_error(t.SMALL_DECODE_BATCH, *case, torch.device('cpu'),\n"
         "                             kernel='decode', max_seq_len=max_seq_len)\n"
@@ -62,3 +74,21 @@ def test_decode_kernel_in_the_triton_interpreter() -> None:
     result = run_interpreted(script, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("\n") == len(INTERPRETER_CASES), result.stdout
+
+
+def test_a_batch_that_fills_the_gpu_is_not_split() -> None:
+    """A 64-position split writes a float32 partial per query head, 12 % of the KV it reads at
+    a group of 4 (and a merge reads it back): a batch whose (sequence, kv head) pairs fill the
+    SMs reads its whole context in one program each, with no merge."""
+    pytest.importorskip("triton")
+    from dormant.layers.triton_attention import plan_splits
+
+    assert plan_splits(1, 8, 4096, 132) == (32, 128)  # batch 1: 256 programs over 132 SMs
+    assert plan_splits(1, 8, 2048, 132) == (32, 64)
+    assert plan_splits(16, 8, 2048, 132) == (8, 256)
+    assert plan_splits(512, 8, 2048, 132) == (1, 2048)
+    assert plan_splits(132, 8, 2048, 132) == (1, 2048)
+    assert plan_splits(1, 8, 100, 132) == (2, 64)  # never more splits than tiles
+    for num_seqs in (1, 7, 64, 300):
+        splits, length = plan_splits(num_seqs, 2, 3000, 132)
+        assert length % 64 == 0 and splits * length >= 3000 > (splits - 1) * length
