@@ -4,6 +4,8 @@ the GPU test: the tokens must be identical, row for row."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dormant.worker import sampler
@@ -137,11 +139,10 @@ def launch_specialisations(num_rows: int, vocab: int) -> tuple[object, ...]:
         logits, logits.amax(dim=-1), t.temperatures, t.is_greedy.view(torch.uint8), t.noise_keys,
         best, columns, vocab, logits.stride(0), t.noise_keys.stride(0), num_segments,
     )  # fmt: skip
-    kernel = fused._race_kernel
-    return tuple(
-        native_specialize_impl(
-            BaseBackend, argument, False, not p.do_not_specialize,
-            not p.do_not_specialize_on_alignment,
-        )  # fmt: skip
-        for p, argument in zip(kernel.params, arguments, strict=False)
-    )
+
+    def specialisation(param: Any, argument: object) -> object:
+        specialise, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        return native_specialize_impl(BaseBackend, argument, False, specialise, align)
+
+    params = fused._race_kernel.params
+    return tuple(specialisation(p, a) for p, a in zip(params, arguments, strict=False))
