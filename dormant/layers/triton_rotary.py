@@ -1,6 +1,9 @@
 """Rotary embedding of q and k, with Qwen3's per-head RMSNorm before it, as one Triton kernel
 that rewrites the q and k heads of the fused qkv projection in place.
 
+One program per (token, group of ``HEADS_PER_PROGRAM`` heads): a program per head, of 128
+values, was latency-bound (13.7 µs per layer at batch 512 on an H200, 0.8 TB/s).
+
 Rounds where the reference does (``RMSNorm`` then ``RotaryEmbedding``): the normalised head is
 rounded to the model dtype, scaled by the norm weight and rounded, then rotated in float32 and
 rounded once more.
@@ -12,37 +15,42 @@ import torch
 import triton
 import triton.language as tl
 
+HEADS_PER_PROGRAM = 8  # one program rotates this many heads of one token
+
 
 @triton.jit
 def _rotate_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps,
-    stride_token, stride_cos_sin, NUM_Q_HEADS: tl.constexpr,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    stride_token, stride_cos_sin, NUM_Q_HEADS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
-    head = tl.program_id(1)  # q heads, then k heads: they are adjacent in a qkv row
-    d = tl.arange(0, HALF)
-    base = qkv_ptr + token * stride_token + head * 2 * HALF
-    x1 = tl.load(base + d)
-    x2 = tl.load(base + HALF + d)
+    # q heads, then k heads: they are adjacent in a qkv row
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    is_head = (heads < NUM_HEADS)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    first = qkv_ptr + token.to(tl.int64) * stride_token + heads[:, None] * (2 * HALF) + d
+    x1 = tl.load(first, mask=is_head, other=0.0)  # [HEADS, HALF]
+    x2 = tl.load(first + HALF, mask=is_head, other=0.0)
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if HAS_NORM:
-        if head < NUM_Q_HEADS:  # noqa: SIM108 (a runtime condition: Triton needs the branch)
-            weight_ptr = q_weight_ptr
-        else:
-            weight_ptr = k_weight_ptr
-        variance = (tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF)
-        inverse = tl.rsqrt(variance + eps)
-        w1 = tl.load(weight_ptr + d).to(tl.float32)
-        w2 = tl.load(weight_ptr + HALF + d).to(tl.float32)
+        variance = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF)
+        inverse = tl.rsqrt(variance + eps)[:, None]
+        is_q = (heads < NUM_Q_HEADS)[:, None]
+        q1 = tl.load(q_weight_ptr + d).to(tl.float32)
+        q2 = tl.load(q_weight_ptr + HALF + d).to(tl.float32)
+        k1 = tl.load(k_weight_ptr + d).to(tl.float32)
+        k2 = tl.load(k_weight_ptr + HALF + d).to(tl.float32)
+        w1 = tl.where(is_q, q1, k1)
+        w2 = tl.where(is_q, q2, k2)
         a = (w1 * (a * inverse).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         b = (w2 * (b * inverse).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_sin_ptr + position * stride_cos_sin + d)
     sin = tl.load(cos_sin_ptr + position * stride_cos_sin + HALF + d)
-    tl.store(base + d, (a * cos - b * sin).to(x1.dtype))
-    tl.store(base + HALF + d, (b * cos + a * sin).to(x1.dtype))
+    tl.store(first, (a * cos - b * sin).to(x1.dtype), mask=is_head)
+    tl.store(first + HALF, (b * cos + a * sin).to(x1.dtype), mask=is_head)
 
 
 def rotate_qk_(
@@ -66,8 +74,10 @@ def rotate_qk_(
     if num_tokens == 0:
         return
     q_weight, k_weight, eps = norm if norm is not None else (qkv, qkv, 0.0)
-    _rotate_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+    num_heads = num_q_heads + num_kv_heads
+    heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    _rotate_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         qkv, positions, cos_sin_cache, q_weight, k_weight, eps, qkv.stride(0),
-        cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, HALF=head_dim // 2,
-        HAS_NORM=norm is not None, num_warps=1,
+        cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_HEADS=num_heads, HEADS=heads,
+        HALF=head_dim // 2, HAS_NORM=norm is not None, num_warps=4,
     )  # fmt: skip
