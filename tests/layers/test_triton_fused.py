@@ -133,14 +133,15 @@ head_dim = 32
 for num_q, num_kv in ((4, 2), (8, 4)):  # one program per token; two, the second part-masked
     qkv = torch.randn(5, (num_q + 2 * num_kv) * head_dim)
     positions = torch.tensor([0, 3, 9, 200, 4])
-    norms = (make_norm(head_dim, torch.float32, "cpu", 1), make_norm(head_dim, torch.float32, "cpu", 2))
+    norms = tuple(make_norm(head_dim, torch.float32, "cpu", seed) for seed in (1, 2))
     (q, k), cos_sin = reference_qk(positions, qkv, num_q, num_kv, head_dim, norms)
     fused = qkv.clone()
     weights = (norms[0].weight, norms[1].weight, 1e-6)
     rotate_qk_(fused, positions, cos_sin, num_q, num_kv, head_dim, weights)
     torch.testing.assert_close(fused[:, : num_q * head_dim], q)
     torch.testing.assert_close(fused[:, num_q * head_dim : (num_q + num_kv) * head_dim], k)
-    assert torch.equal(fused[:, (num_q + num_kv) * head_dim :], qkv[:, (num_q + num_kv) * head_dim :])
+    v_start = (num_q + num_kv) * head_dim
+    assert torch.equal(fused[:, v_start:], qkv[:, v_start:])
 
 key, value = torch.randn(2, 5, num_kv, head_dim).unbind(0)
 slots = torch.tensor([0, 5, 17, 30, 31])
