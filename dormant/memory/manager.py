@@ -33,7 +33,7 @@ from dormant.memory.slab_rules import SlabRule, tag_slab_rules
 from dormant.memory.sleep_wake import SleepWake
 from dormant.memory.states import TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
-from dormant.memory.status_report import build_status, released_status
+from dormant.memory.status_report import status_of
 from dormant.memory.tag_machine import asleep_policy, tag_states
 
 
@@ -272,15 +272,11 @@ class MemoryManager:
 
     def status(self) -> MemoryStatus:
         """Tags, the last reports and the residual by owner (residual.py); while the CUDA
-        context is released, from NVML alone (no CUDA call could answer)."""
+        context is released, from NVML alone, read by the checkpoint helper."""
         with self._serial.held():
             self._front.check_open()
             reports = (self.last_sleep, self.last_wake)
-            context = self.context.last
-            if context is not None and context.is_released:  # no CUDA or NVML call here
-                reading = self.context.outside_reading()
-                return released_status(self._table, *reports, reading, context)
-            return build_status(self._table, *reports, self.residual, context)
+            return status_of(self._table, *reports, self.residual, self.context)
 
     def tag_of(self, memory: torch.Tensor | int) -> str | None:
         """The tag whose memory holds ``memory`` (a tensor's first byte, or an address); None

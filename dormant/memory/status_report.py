@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dormant.memory import nvml
 from dormant.memory.blocks import BlockTable
+from dormant.memory.context_release import ContextRelease
 from dormant.memory.residual import ResidualLedger
 from dormant.memory.states import State
 from dormant.memory.status import (
@@ -19,6 +20,21 @@ from dormant.memory.tag_machine import count_states, tag_state
 
 UNOWNED = "not dormant's: CUDA context, NCCL, other libraries"
 CHECKPOINTED = "this process, its CUDA state checkpointed by the driver (NVML)"
+
+
+def status_of(
+    table: BlockTable,
+    last_sleep: SleepReport | None,
+    last_wake: WakeReport | None,
+    ledger: ResidualLedger,
+    context: ContextRelease,
+) -> MemoryStatus:
+    """The status: in full, or while the CUDA context is released from NVML alone, read by
+    the checkpoint helper (this process's own CUDA and NVML calls would block)."""
+    report = context.last
+    if report is not None and report.is_released:
+        return released_status(table, last_sleep, last_wake, context.outside_reading(), report)
+    return build_status(table, last_sleep, last_wake, ledger, report)
 
 
 def build_status(
