@@ -52,6 +52,20 @@ def device_copy_bandwidth(nbytes: int = 8 * GiB) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def matmul_flops_per_s(size: int = 8192) -> float:
+    """The device's bf16 GEMM rate: a ``size``-cubed matmul, median of five after a warm-up."""
+    a = torch.randn((size, size), dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times[1:])
+
+
 def decode_step(batch_size: int, context: int, block_size: int, num_kv_blocks: int) -> StepInput:
     """A greedy decode step of ``batch_size`` sequences at position ``context``, each with its
     own blocks: the ``ceil((context + 1) / block_size)`` it needs, of the ``num_kv_blocks`` the

@@ -13,7 +13,9 @@ Reported per variant (one JSON line each, then a table):
 - prefix-cache hit rate (tokens found cached / tokens looked up);
 - decode-only steps against the roofline at the batch sizes reached: (weight bytes + the KV
   bytes the step reads) / the measured device-copy bandwidth (bytes read + written per second
-  of a large device-to-device copy), by batch-size bucket.
+  of a large device-to-device copy), by batch-size bucket; and against that roofline with
+  compute added (``x_compute_bound``: the GEMMs at the longer of their weight read and their
+  flops at the measured bf16 GEMM rate), which a large batch's compute-bound GEMMs set.
 
 The four variants run on one engine (same weights, same graphs, same KV cache): only the
 scheduler and block manager are rebuilt with the variant's options between them.
@@ -50,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Recorder, environment, table
-from benchmarks.decode import QWEN3_8B_LIKE, device_copy_bandwidth
+from benchmarks.decode import QWEN3_8B_LIKE, device_copy_bandwidth, matmul_flops_per_s
 from dormant import LLM, SamplingParams
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.scheduler import Scheduler
@@ -166,24 +168,41 @@ def generate(llm: LLM, batch: list[list[int]], params: SamplingParams, log: Step
     }
 
 
+class Device(NamedTuple):
+    bandwidth: float  # bytes read plus written per second, a device-to-device copy
+    flops: float  # bf16 GEMM flop/s, a large matmul
+
+
 def roofline_rows(
-    decode: list[Step], weight_bytes: int, kv_per_token: int, bandwidth: float
+    decode: list[Step], weight_bytes: int, gemm_params: int, kv_per_token: int, device: Device
 ) -> Iterator[dict[str, Any]]:
     """Decode-only steps by batch-size bucket: median step time against its roofline. A call
     that ran ``k`` steps (the fused multi-step graph) counts as ``k`` steps of its mean time,
-    against the mean of their rooflines (step ``j`` reads ``j`` more positions per row)."""
+    against the mean of their rooflines (step ``j`` reads ``j`` more positions per row).
+
+    Also against a bound that adds compute to the roofline: the GEMMs take the longer of
+    reading their weights and their ``2 * gemm_params * batch`` flops at the measured GEMM
+    rate, and attention reads the KV at the copy bandwidth. At large batches the GEMMs are
+    compute-bound (batch 512 of an 8B model: 7.8 TFLOP, about 9 ms on an H200, against 3.9 ms
+    to read the weights), so the memory roofline alone is out of reach there."""
     by_bucket: dict[int, list[Step]] = defaultdict(list)
     for step in decode:
         bucket = next((b for b in BUCKETS if step.num_seqs <= b), BUCKETS[-1])
         by_bucket[bucket].append(step)
     for bucket, steps in sorted(by_bucket.items()):
         times = [s.seconds / s.num_steps for s in steps]
-        limits = [
-            (weight_bytes + (s.kv_tokens + s.num_seqs * (s.num_steps - 1) / 2) * kv_per_token)
-            / bandwidth
+        kv_s = [
+            (s.kv_tokens + s.num_seqs * (s.num_steps - 1) / 2) * kv_per_token / device.bandwidth
             for s in steps
         ]
+        limits = [weight_bytes / device.bandwidth + kv for kv in kv_s]
+        gemm_s = [
+            max(weight_bytes / device.bandwidth, 2 * gemm_params * s.num_seqs / device.flops)
+            for s in steps
+        ]
+        bounds = [g + kv for g, kv in zip(gemm_s, kv_s, strict=True)]
         ratios = sorted(t / lim for t, lim in zip(times, limits, strict=True))
+        bound_ratios = sorted(t / b for t, b in zip(times, bounds, strict=True))
         yield {
             "batch_bucket": bucket,
             "num_steps": len(steps),
@@ -192,7 +211,17 @@ def roofline_rows(
             "roofline_s": statistics.median(limits),
             "x_roofline": statistics.median(ratios),
             "x_roofline_p90": ratios[int(0.9 * (len(ratios) - 1))],
+            "compute_bound_s": statistics.median(bounds),
+            "x_compute_bound": statistics.median(bound_ratios),
         }
+
+
+def num_gemm_params(model: torch.nn.Module) -> int:
+    """Weights every token multiplies: the matrices, less the input embedding (a lookup) unless
+    it is also the LM head (tied embeddings: no ``lm_head`` matrix of its own)."""
+    matrices = {name: p.numel() for name, p in model.named_parameters() if p.dim() == 2}
+    has_head = any("lm_head" in name for name in matrices)
+    return sum(n for name, n in matrices.items() if not (has_head and "embed_tokens" in name))
 
 
 def own_sharing_hit_rate(n: int, prompt_len: int, block_size: int) -> float:
@@ -260,7 +289,9 @@ def main() -> None:
     rec = Recorder(args.out)
     on_gpu = torch.cuda.is_available()
     rec.emit(case="environment", quick=args.quick, **(environment() if on_gpu else {}))
-    bandwidth = device_copy_bandwidth() if on_gpu else 1e10  # smoke runs: a stand-in
+    device = (  # smoke runs: stand-ins
+        Device(device_copy_bandwidth(), matmul_flops_per_s()) if on_gpu else Device(1e10, 1e11)
+    )
     start = time.perf_counter()
     max_seqs = num_prompts * n
     llm = LLM(
@@ -272,13 +303,15 @@ def main() -> None:
     worker = llm.llm_engine.executor.worker
     model_config = llm.llm_engine.config.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    gemm_params = num_gemm_params(worker.model)
     kv_per_token = (
         2 * model_config.num_hidden_layers * model_config.num_key_value_heads
         * model_config.head_dim * llm.llm_engine.config.cache_dtype.itemsize
     )  # fmt: skip
     rec.emit(
         case="setup", load_and_capture_s=time.perf_counter() - start, weight_bytes=weight_bytes,
-        kv_bytes_per_token=kv_per_token, d2d_bytes_per_s=bandwidth,
+        kv_bytes_per_token=kv_per_token, d2d_bytes_per_s=device.bandwidth,
+        gemm_flops_per_s=device.flops, gemm_params=gemm_params,
         num_kv_blocks=llm.llm_engine.runtime.num_kv_blocks, max_num_seqs=max_seqs,
     )  # fmt: skip
     log = StepLog(llm)
@@ -298,7 +331,7 @@ def main() -> None:
             name = f"caching {'on' if caching else 'off'}, chunked {'on' if chunked else 'off'}"
             summary[(caching, chunked)] = result
             decode = list(
-                roofline_rows(result.pop("decode"), weight_bytes, kv_per_token, bandwidth)
+                roofline_rows(result.pop("decode"), weight_bytes, gemm_params, kv_per_token, device)
             )
             large = [row["x_roofline"] for row in decode if row["batch_bucket"] >= 64]
             rows.append(rec.emit(
