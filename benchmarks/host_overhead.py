@@ -20,8 +20,18 @@ thread, and CPU time leaves out the moments another process held the core, so fi
 busy machine still compare. Prints one JSON line per measurement (median, min, max over the
 timed steps) and a table.
 
+``--multi-steps k`` times the worker's decode-graph path instead (worker level only): the
+runner gets ``DecodeGraphs`` of one batch size (the batch's), "captured" with the CPU
+stand-ins (``worker/eager_graphs.py``) whose replay runs the graph's body eagerly. Each call is
+``execute_multi_step(step)`` (k > 1: the fused k-step graph, what ``benchmarks/rollout.py
+--multi-steps k`` times on the H200) or ``execute(step)`` (k = 1: the full graph, then the
+sampler), its step advanced k tokens. The whole replay is timed and subtracted (on a GPU it is
+one launch), so what is left is the load of the inputs and sampling rows, the host copy and
+the step output; ``median_us`` is per call, ``per_step_us`` per decode step.
+
 Usage: python benchmarks/host_overhead.py [--batch-sizes 1 64 128] [--context 1024]
-       [--steps 40] [--level worker|engine|both] [--profile] [--out results.jsonl]
+       [--steps 40] [--level worker|engine|both] [--multi-steps k] [--profile]
+       [--out results.jsonl]
 (``--profile`` prints cProfile's top functions of the largest batch at each level.)
 """
 
@@ -47,6 +57,9 @@ from dormant import LLM, SamplingParams
 from dormant.core.step_input import SeqInput, StepInput
 from dormant.core.step_output import StepOutput
 from dormant.models import ModelConfig
+from dormant.worker.cuda_graphs import DecodeGraphs
+from dormant.worker.eager_graphs import capture_eagerly, num_replays
+from dormant.worker.model_runner import ModelRunner
 
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "vocab_size": 264, "hidden_size": 64,
@@ -65,17 +78,30 @@ class ForwardTimer:
     With ``stub`` the forward is only the token embedding (no attention, no KV write): the
     host work around it is the same, and the big forward's cache and allocator churn no longer
     leaks into the host figures (the tokens differ from the real model's; nothing checks them).
+
+    With ``graphs`` the model's methods are left untimed (and ``compute_logits`` unpatched:
+    the runner runs eagerly once it is patched) and the time of each ``replay`` of the runner's
+    graphs is summed instead (``time_replays``).
     """
 
-    def __init__(self, model: torch.nn.Module, stub: bool) -> None:
+    def __init__(self, model: torch.nn.Module, stub: bool, graphs: bool = False) -> None:
         self.seconds = 0.0
         embed, forward = model.model.embed_tokens, model.forward
 
         def stub_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return embed(input_ids)
 
+        if graphs:
+            if stub:
+                model.forward = stub_forward
+            return
         model.forward = self._timed(stub_forward if stub else forward)
         model.compute_logits = self._timed(model.compute_logits)
+
+    def time_replays(self, graphs: DecodeGraphs) -> None:
+        for captured in (*graphs.full.values(), *graphs.multi_step.values()):
+            graph = captured.graph
+            graph.replay = self._timed(graph.replay)  # type: ignore[method-assign]
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -107,8 +133,9 @@ def host_times(
     return times
 
 
-def make_llm(batch_size: int, context: int, num_steps: int) -> LLM:
-    max_model_len = 1 << (context + num_steps + batch_size + 64).bit_length()
+def make_llm(batch_size: int, context: int, num_steps: int, multi_steps: int = 1) -> LLM:
+    num_positions = context + (num_steps + WARMUP_STEPS + 1) * multi_steps
+    max_model_len = 1 << (num_positions + batch_size + 64).bit_length()
     return LLM(
         ModelConfig.from_dict(TINY_QWEN3),
         max_model_len=max_model_len,
@@ -120,15 +147,26 @@ def make_llm(batch_size: int, context: int, num_steps: int) -> LLM:
 
 
 def worker_case(
-    batch_size: int, context: int, num_steps: int, stub: bool, profile: bool
+    batch_size: int,
+    context: int,
+    num_steps: int,
+    stub: bool,
+    profile: bool,
+    multi_steps: int | None = None,
 ) -> list[float]:
     """Decode steps as the engine sends them: each row has its own params (the engine clones
-    them per request), a fresh block-table tuple covering its positions, one token."""
-    llm = make_llm(batch_size, context, num_steps)
+    them per request), a fresh block-table tuple covering its positions, one token.
+
+    ``multi_steps`` k: through the decode graphs (CPU stand-ins, their replays subtracted),
+    each call ``k`` steps (``execute_multi_step`` for k > 1), its tables covering them."""
+    k = multi_steps or 1
+    llm = make_llm(batch_size, context, num_steps, k)
     worker = llm.llm_engine.executor.worker  # type: ignore[attr-defined]
-    timer = ForwardTimer(worker.runner.model, stub)
+    timer = ForwardTimer(worker.runner.model, stub, graphs=multi_steps is not None)
+    if multi_steps is not None:
+        timer.time_replays(install_graphs(worker.runner, batch_size, k))
     block_size = llm.llm_engine.config.block_size
-    blocks_per_seq = -(-(context + WARMUP_STEPS + num_steps + 1) // block_size)
+    blocks_per_seq = -(-(context + (WARMUP_STEPS + num_steps + 1) * k) // block_size)
     params = SamplingParams(temperature=1.0, logprobs=0, ignore_eos=True)
     blocks = [range(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(batch_size)]
     seqs = [
@@ -138,7 +176,9 @@ def worker_case(
 
     def step_input() -> StepInput:
         rows = (
-            dataclasses.replace(s, block_table=tuple(b[: s.start_position // block_size + 1]))
+            dataclasses.replace(
+                s, block_table=tuple(b[: (s.start_position + k - 1) // block_size + 1])
+            )
             for s, b in zip(seqs, blocks, strict=True)
         )
         return StepInput(tuple(rows), is_prefill=False)
@@ -149,20 +189,40 @@ def worker_case(
         for i, (seq, row) in enumerate(zip(seqs, output.seqs, strict=True)):
             seqs[i] = dataclasses.replace(
                 seq,
-                token_ids=row.token_ids,
-                start_position=seq.start_position + 1,
-                num_output_tokens=seq.num_output_tokens + 1,
+                token_ids=row.token_ids[-1:],
+                start_position=seq.start_position + k,
+                num_output_tokens=seq.num_output_tokens + k,
             )
         state["step"] = step_input()
 
+    execute = worker.execute_multi_step if k > 1 else worker.execute
+
     def run() -> StepOutput:
-        return worker.execute(state["step"])
+        return execute(state["step"])
 
     for _ in range(WARMUP_STEPS):
         advance(run())
     times = _maybe_profiled(profile, lambda: host_times(run, timer, num_steps, advance))
+    if multi_steps is not None:
+        expected = WARMUP_STEPS + num_steps
+        graphs = worker.runner.graphs.multi_step if k > 1 else worker.runner.graphs.full
+        if num_replays(graphs) != expected:  # the graph path ran every call, none fell back
+            raise RuntimeError(f"{num_replays(graphs)} graph replays for {expected} calls")
     llm.llm_engine.shutdown()
     return times
+
+
+def install_graphs(runner: ModelRunner, batch_size: int, multi_steps: int) -> DecodeGraphs:
+    """Gives ``runner`` decode graphs of one batch size, ``batch_size``, captured eagerly (the
+    CPU stand-ins), with ``multi_steps``-step graphs when it is above 1."""
+    graphs = DecodeGraphs(
+        runner.model, runner.inputs, runner.mm, [batch_size], multi_steps,
+        runner.config.max_model_len, runner.logprobs_mode, runner.multi_step_top_logprobs,
+    )  # fmt: skip
+    with torch.inference_mode():
+        capture_eagerly(graphs)
+    runner.graphs = graphs
+    return graphs
 
 
 def engine_case(
@@ -205,27 +265,39 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--level", choices=("worker", "engine", "both"), default="both")
     parser.add_argument("--forward", choices=("stub", "model"), default="stub")
+    parser.add_argument(
+        "--multi-steps", type=int, default=None,
+        help="time the decode-graph path, k steps per call (worker level; see the docstring)",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.multi_steps is not None and (args.multi_steps < 1 or args.level != "worker"):
+        parser.error("--multi-steps k needs k >= 1 and --level worker")
     torch.set_num_threads(1)  # the host path is single-threaded; keep the forward's noise low
     rec = Recorder(args.out)
-    levels = {"worker": worker_case, "engine": engine_case}
-    chosen = list(levels) if args.level == "both" else [args.level]
+    chosen = ["worker", "engine"] if args.level == "both" else [args.level]
     largest = max(args.batch_sizes)
     for level in chosen:
         for batch_size in args.batch_sizes:
             profile = args.profile and batch_size == largest
-            times = levels[level](
-                batch_size, args.context, args.steps, args.forward == "stub", profile
-            )
+            stub = args.forward == "stub"
+            if level == "worker":
+                times = worker_case(
+                    batch_size, args.context, args.steps, stub, profile, args.multi_steps
+                )
+            else:
+                times = engine_case(batch_size, args.context, args.steps, stub, profile)
+            median = statistics.median(times)
             rec.emit(
                 case="host_overhead", level=level, batch_size=batch_size, context=args.context,
-                forward=args.forward,
-                median_us=statistics.median(times) * 1e6, min_us=min(times) * 1e6,
+                forward=args.forward, multi_steps=args.multi_steps,
+                median_us=median * 1e6, min_us=min(times) * 1e6,
                 max_us=max(times) * 1e6, samples=len(times),
+                per_step_us=median * 1e6 / (args.multi_steps or 1),
             )  # fmt: skip
-    columns = ["level", "batch_size", "context", "median_us", "min_us", "max_us"]
+    columns = ["level", "multi_steps", "batch_size", "context", "median_us", "per_step_us",
+               "min_us", "max_us"]  # fmt: skip
     print(table(rec.rows, columns))
 
 

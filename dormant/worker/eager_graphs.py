@@ -1,7 +1,9 @@
 """Decode "graphs" on the CPU: ``capture_eagerly`` fills a ``DecodeGraphs`` the way ``capture``
 does, with stand-ins whose ``replay`` runs the captured body again (capturing needs CUDA). So
 ``ModelRunner.execute`` and ``execute_multi_step`` take their graph paths on the CPU, with the
-same buffers, loads, bodies and read-backs; only the CUDA graph itself is missing."""
+same buffers, loads, bodies and read-backs; only the CUDA graph itself is missing. The CPU tests
+check the graph paths with it, and ``benchmarks/host_overhead.py --multi-steps`` times the host
+work around them (nothing in the engine uses it)."""
 
 from __future__ import annotations
 

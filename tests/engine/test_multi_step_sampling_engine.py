@@ -1,5 +1,5 @@
 """Sampled requests through the engine's fused multi-step path, on the CPU: the decode graphs are
-"captured" eagerly (``tests/worker/eager_graphs.py``), so the scheduler hands the worker
+"captured" eagerly (``dormant/worker/eager_graphs.py``), so the scheduler hands the worker
 multi-step batches as it does on a GPU, and the worker replays its multi-step body for them.
 A seeded generate of greedy and random (n > 1, logprobs) requests returns what an engine of
 single steps returns, the fused steps really ran, and they still do after sleep/wake cycles."""
@@ -14,9 +14,9 @@ import pytest
 
 from dormant import LLM, SamplingParams
 from dormant.worker.cuda_graphs import DecodeGraphs
+from dormant.worker.eager_graphs import capture_eagerly, num_replays
 from dormant.worker.worker import Worker
 from tests.engine.conftest import PROMPTS
-from tests.worker.eager_graphs import capture_eagerly, num_replays
 
 STEPS = 4
 Completion = tuple[tuple[int, ...], list[float]]  # a sample's tokens, its tokens' logprobs

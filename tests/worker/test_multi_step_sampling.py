@@ -20,12 +20,12 @@ from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_input import SeqInput, StepInput
 from dormant.core.step_output import SeqOutput
 from dormant.worker.cuda_graphs import DecodeGraphs
+from dormant.worker.eager_graphs import capture_eagerly, num_replays
 from dormant.worker.graph_sampling import GraphSampling, is_unfiltered
 from dormant.worker.logprobs import packed_width, trim_top, unpack_logprobs
 from dormant.worker.model_runner import ModelRunner
 from dormant.worker.sampler import SamplingTensors
 from dormant.worker.worker import Worker
-from tests.worker.eager_graphs import capture_eagerly, num_replays
 
 BLOCKS_PER_SEQ = 6  # 24 positions per row: the prompt and two multi-step batches fit
 PROMPT = (11, 12, 13, 14, 15)
