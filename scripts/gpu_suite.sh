@@ -5,7 +5,7 @@
 #   (default: all; "memory" runs the memory layer's probes of issue 17, not part of "all";
 #   "rollout" runs benchmarks/rollout.py, issue 16's GRPO-shaped rollout, < 8 min, nor that;
 #   "pending" runs what was built on the CPU and waits for its first GPU run, < 8 min:
-#   benchmarks/RESULTS.md's "Built after the last call" lists it)
+#   the session note lists it)
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
 # (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
@@ -63,16 +63,16 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
     status=$((status | PIPESTATUS[0]))
   done
 fi
-if [[ $stage == pending ]]; then  # the fused sampler draw and the sampled multi-step graph
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/layers/test_triton_sampling.py \
-    tests/gpu/test_multi_step_sampling_gpu.py tests/gpu/test_logprobs_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
+if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 8 min
+  # the multi-step host-work cuts (benchmarks/host_overhead.py --multi-steps) and the rollout's
+  # compute-bound column, in the full rollout; then the batch-512 profile; then the residual
+  python3 benchmarks/rollout.py --multi-steps 4 --out "$OUT/rollout-ms4.jsonl" 2>&1 | tee "$OUT/rollout-ms4.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/sampling.py --out "$OUT/sampling.jsonl" 2>&1 | tee "$OUT/sampling.log"
+  python3 benchmarks/decode_profile.py --batch-size 512 --context 768 --top 15 \
+    --out "$OUT/profile-b512.jsonl" 2>&1 | tee "$OUT/profile-b512.log"
   status=$((status | PIPESTATUS[0]))
-  for steps in 4 1; do
-    python3 benchmarks/rollout.py --quick --multi-steps $steps --out "$OUT/rollout-quick-ms$steps.jsonl" \
-      2>&1 | tee "$OUT/rollout-quick-ms$steps.log"
-    status=$((status | PIPESTATUS[0]))
-  done
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_residual.py \
+    tests/gpu/test_residual_release.py 2>&1 | tee "$OUT/residual-gpu-tests.log"
+  status=$((status | PIPESTATUS[0]))
 fi
 exit $status
