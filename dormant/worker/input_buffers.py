@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from operator import ne
 
 import numpy as np
 import torch
@@ -144,13 +145,33 @@ class InputBuffers:
         table changes once every ``block_size`` steps): ``_staged_tables[row]`` is exactly
         what the host row holds in its first ``len`` entries, or None when unknown. Compared
         by value, so a new tuple of the same blocks (every step's) is a hit, and any change
-        of a row's blocks, or another sequence in that row, is written.
+        of a row's blocks, or another sequence in that row, is written. A row that only grew
+        (its staged table a prefix of the new one: decode appended blocks) gets its new
+        entries alone; every write of the step is one numpy assignment.
         """
         tables, staged = self._host_np["block_tables"], self._staged_tables
-        for row, table in enumerate(block_tables):
-            if staged[row] != table:
-                tables[row, : len(table)] = table
+        num_rows = len(block_tables)
+        if staged[:num_rows] != block_tables:  # one C-level comparison when every row hits
+            rows: list[int] = []
+            columns: list[int] = []
+            values: list[int] = []
+            changed = np.flatnonzero(np.fromiter(map(ne, staged, block_tables), np.bool_, num_rows))
+            for row in changed.tolist():
+                table, old = block_tables[row], staged[row]
+                num_blocks = len(table)
+                first = 0
+                if old is not None and len(old) < num_blocks and table[: len(old)] == old:
+                    first = len(old)
+                if first + 1 == num_blocks:  # one block appended: the common change
+                    rows.append(row)
+                    columns.append(first)
+                    values.append(table[first])
+                else:
+                    rows += [row] * (num_blocks - first)
+                    columns += range(first, num_blocks)
+                    values += table[first:]
                 staged[row] = tuple(table)  # a copy if it was a list its owner may change
+            tables[rows, columns] = values
         return max(map(len, block_tables))
 
     def _stage_padding(self, start: int, stop: int) -> None:

@@ -177,14 +177,14 @@ class ModelRunner:
         captured_mode = self.logprobs_mode if self.graphs is None else self.graphs.logprobs_mode
         if num_top is not None and captured_mode != self.logprobs_mode:
             return False
+        if any(s.masked_stop_token_ids or s.bad_words_token_ids for s in seqs):
+            return False
         vocab_size = self.vocab_size
+        distinct = {id(s.params): s.params for s in seqs}  # the n samples of a request share
         return all(
-            is_unfiltered(s.params, vocab_size)
-            and not s.masked_stop_token_ids
-            and not s.bad_words_token_ids
-            and (s.params.repetition_penalty, s.params.presence_penalty) == (1.0, 0.0)
-            and s.params.frequency_penalty == 0.0
-            for s in seqs
+            is_unfiltered(p, vocab_size)
+            and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+            for p in distinct.values()
         )
 
     def execute_single_steps(self, step: StepInput, num_steps: int) -> StepOutput:

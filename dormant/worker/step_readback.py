@@ -32,7 +32,8 @@ def read_step_output(
     prompt_width: int | None,
 ) -> StepOutput:
     """The ``StepOutput`` of ``seqs`` from ``host`` (laid out as the table above; ``width``
-    and ``prompt_width`` are the packed rows' widths, None when that part is absent).
+    and ``prompt_width`` are the packed rows' widths, None when that part is absent: no row
+    asked for logprobs, no row computes its prompt logprobs).
 
     A row's logprobs are reported only when its request asked for them (``params.logprobs``),
     and its prompt logprobs only when it computed them (``compute_prompt_logprobs``): one
@@ -56,11 +57,12 @@ def read_step_output(
             else [e if w else None for e, w in zip(per_row, wants, strict=True)]
         )
     prompt_logprobs: list[tuple[TokenLogprobs, ...] | None] = [None] * num_seqs
-    entries = [] if prompt_width is None else unpack_logprobs(host[end:].reshape(-1, prompt_width))
-    next_entry = 0
-    for row, seq in enumerate(seqs):
-        if seq.compute_prompt_logprobs:
-            count = len(seq.token_ids) - 1
-            prompt_logprobs[row] = tuple(entries[next_entry : next_entry + count])
-            next_entry += count
+    if prompt_width is not None:  # else no row computed prompt logprobs (decode steps)
+        entries = unpack_logprobs(host[end:].reshape(-1, prompt_width))
+        next_entry = 0
+        for row, seq in enumerate(seqs):
+            if seq.compute_prompt_logprobs:
+                count = len(seq.token_ids) - 1
+                prompt_logprobs[row] = tuple(entries[next_entry : next_entry + count])
+                next_entry += count
     return StepOutput(tuple(map(SeqOutput, token_ids, logprobs, prompt_logprobs)))

@@ -98,3 +98,21 @@ def test_block_tables_stay_at_their_addresses(buffers: InputBuffers) -> None:
     check(buffers, decode((3, [1]), (5, [2, 3])), pad_to=4)
     assert [t.data_ptr() for t in buffers.tensors()] == before
     assert all(t.device == torch.device("cpu") for t in buffers.tensors())
+
+
+def test_rows_that_grow_get_their_new_blocks_and_others_are_rewritten(
+    buffers: InputBuffers,
+) -> None:
+    """A table that only grew has its new entries written alone (``_stage_block_tables``);
+    one that grew but changed before its end, or shrank, or holds another sequence, is
+    written whole. Every row of every step is checked against the step."""
+    a, b, c, d = [1, 2], [3, 4, 5], [6], [10, 11, 12]
+    check(buffers, decode((6, a), (9, b), (2, c), (8, d)))
+    check(buffers, decode((8, [*a, 20]), (12, [*b, 21]), (4, [*c, 22, 23]), (8, d)))
+    check(buffers, decode((9, [7, 2, 20, 24]), (12, [*b, 21]), (4, [*c, 22, 23]), (8, d)))
+    check(buffers, decode((9, [7, 2, 20, 24]), (4, [3, 4]), (4, [6, 22, 23]), (2, [10])))
+    check(buffers, decode((9, [7, 2, 20, 24]), (8, d), (4, [*c, 22, 23])))  # fewer rows
+    same = decode((9, [7, 2, 20, 24]), (8, d), (4, [*c, 22, 23]))
+    check(buffers, same)
+    check(buffers, same)  # the very tuples again: every row hits
+    check(buffers, decode((9, [7, 2, 20, 24, 25]), (8, d), (4, [*c, 22, 23]), (5, [30, 31])))

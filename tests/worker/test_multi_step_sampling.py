@@ -218,6 +218,26 @@ def test_filtered_penalised_or_masked_rows_run_single_steps(
     assert_same_outputs(fused, single)
 
 
+@pytest.mark.parametrize("case", ["top_k", "frequency_penalty", "min_tokens"])
+def test_the_graph_fits_rows_by_each_params_object_and_row(worker: Worker, case: str) -> None:
+    """Rows share params objects (a request's ``n`` samples do): the fit is decided by every
+    distinct one and every row's masks, wherever a row that does not fit sits."""
+    shared = SamplingParams(temperature=1.0, logprobs=0)
+    odd = SamplingParams(temperature=1.0, **FALLBACKS[case])  # type: ignore[arg-type]
+
+    def row(params: SamplingParams, seed: int) -> SeqInput:
+        masks = (VOCAB_SIZE - 1,) if case == "min_tokens" and params is odd else ()
+        return SeqInput((1,), 4, (0,), params, seed, 0, masked_stop_token_ids=masks)
+
+    fits = worker.runner.fits_multi_step_graph
+    assert fits([row(shared, i) for i in range(4)])
+    for position in range(5):
+        rows = [row(shared, i) for i in range(4)]
+        rows.insert(position, row(odd, 9))
+        assert not fits(rows), position
+    assert not fits([row(odd, i) for i in range(3)])
+
+
 def test_multi_step_refuses_prefills_and_oversized_batches(worker: Worker, eager_graphs) -> None:
     step = decode_step(worker, [SamplingParams(temperature=1.0, seed=1)])
     eager_graphs()
