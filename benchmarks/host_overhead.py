@@ -3,8 +3,9 @@
 Two levels, at each batch size (1, 64, 128 by default), on a 1-layer tiny Qwen3 (fp32):
 
 - **worker**: ``worker.execute(step)`` of a decode step, advanced after each step as the engine
-  sends them (each row its own params, a fresh block-table tuple covering its positions): input
-  buffers, the sampler's per-step tensors, sampling, the host copy and the step output;
+  sends them (each request's params shared by its 8 samples, a block-table tuple covering its
+  positions, made again when it grows): input buffers, the sampler's per-step tensors,
+  sampling, the host copy and the step output;
 - **engine**: ``LLMEngine.step()`` with that many running requests (``temperature=1.0``,
   ``logprobs=0``, ``ignore_eos``, detokenized by the byte tokenizer): schedule, step input,
   execute, postprocess, logprobs and outputs.
@@ -31,8 +32,11 @@ the step output; ``median_us`` is per call, ``per_step_us`` per decode step.
 
 Usage: python benchmarks/host_overhead.py [--batch-sizes 1 64 128] [--context 1024]
        [--steps 40] [--level worker|engine|both] [--multi-steps k] [--profile]
-       [--out results.jsonl]
-(``--profile`` prints cProfile's top functions of the largest batch at each level.)
+       [--gc-freeze] [--out results.jsonl]
+(``--profile`` prints cProfile's top functions of the largest batch at each level.) Each line
+also counts the garbage collector's automatic collections per generation in the timed calls
+(their time is in the figures: the oldest generation's make the mean exceed the median);
+``--gc-freeze`` freezes the set-up's objects first, so those collections skip them.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gc
 import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,6 +74,7 @@ TINY_QWEN3 = {
     "torch_dtype": "float32", "eos_token_id": 2,
 }  # fmt: skip
 WARMUP_STEPS = 3
+SAMPLES_PER_REQUEST = 8  # the GRPO rollout's n (benchmarks/rollout.py): rows share their params
 
 
 class ForwardTimer:
@@ -153,9 +159,12 @@ def worker_case(
     stub: bool,
     profile: bool,
     multi_steps: int | None = None,
-) -> list[float]:
-    """Decode steps as the engine sends them: each row has its own params (the engine clones
-    them per request), a fresh block-table tuple covering its positions, one token.
+    gc_freeze: bool = False,
+) -> Timed:
+    """Decode steps as the engine sends them: each request's params (the engine clones them
+    per request; its ``n`` samples share them: ``SAMPLES_PER_REQUEST``), a block-table tuple
+    covering its positions (made again only when the table grew, as the engine's
+    ``Sequence.block_table_tuple``), one token.
 
     ``multi_steps`` k: through the decode graphs (CPU stand-ins, their replays subtracted),
     each call ``k`` steps (``execute_multi_step`` for k > 1), its tables covering them."""
@@ -168,26 +177,27 @@ def worker_case(
     block_size = llm.llm_engine.config.block_size
     blocks_per_seq = -(-(context + (WARMUP_STEPS + num_steps + 1) * k) // block_size)
     params = SamplingParams(temperature=1.0, logprobs=0, ignore_eos=True)
-    blocks = [range(i * blocks_per_seq, (i + 1) * blocks_per_seq) for i in range(batch_size)]
+    per_request = [params.clone() for _ in range(-(-batch_size // SAMPLES_PER_REQUEST))]
+    blocks = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
     seqs = [
-        SeqInput((11,), context, (), params.clone(), seed=1000 + i, num_output_tokens=1)
+        SeqInput((11,), context, (), per_request[i // SAMPLES_PER_REQUEST], 1000 + i, 1)
         for i in range(batch_size)
     ]
 
     def step_input() -> StepInput:
-        rows = (
-            dataclasses.replace(
-                s, block_table=tuple(b[: (s.start_position + k - 1) // block_size + 1])
-            )
-            for s, b in zip(seqs, blocks, strict=True)
-        )
+        rows = []
+        for i, seq in enumerate(seqs):
+            num_blocks = (seq.start_position + k - 1) // block_size + 1
+            if len(seq.block_table) != num_blocks:  # a new tuple only when the table grew,
+                seq = seqs[i] = dataclasses.replace(seq, block_table=tuple(blocks[i][:num_blocks]))
+            rows.append(seq)  # as Sequence.block_table_tuple: the same ints, as the list's
         return StepInput(tuple(rows), is_prefill=False)
 
     state = {"step": step_input()}
 
     def advance(output: StepOutput) -> None:
         for i, (seq, row) in enumerate(zip(seqs, output.seqs, strict=True)):
-            seqs[i] = dataclasses.replace(
+            seqs[i] = dataclasses.replace(  # keeps the row's block-table tuple
                 seq,
                 token_ids=row.token_ids[-1:],
                 start_position=seq.start_position + k,
@@ -202,14 +212,14 @@ def worker_case(
 
     for _ in range(WARMUP_STEPS):
         advance(run())
-    times = _maybe_profiled(profile, lambda: host_times(run, timer, num_steps, advance))
+    timed = _maybe_profiled(profile, lambda: host_times(run, timer, num_steps, advance), gc_freeze)
     if multi_steps is not None:
         expected = WARMUP_STEPS + num_steps
         graphs = worker.runner.graphs.multi_step if k > 1 else worker.runner.graphs.full
         if num_replays(graphs) != expected:  # the graph path ran every call, none fell back
             raise RuntimeError(f"{num_replays(graphs)} graph replays for {expected} calls")
     llm.llm_engine.shutdown()
-    return times
+    return timed
 
 
 def install_graphs(runner: ModelRunner, batch_size: int, multi_steps: int) -> DecodeGraphs:
@@ -226,8 +236,8 @@ def install_graphs(runner: ModelRunner, batch_size: int, multi_steps: int) -> De
 
 
 def engine_case(
-    batch_size: int, context: int, num_steps: int, stub: bool, profile: bool
-) -> list[float]:
+    batch_size: int, context: int, num_steps: int, stub: bool, profile: bool, gc_freeze: bool
+) -> Timed:
     llm = make_llm(batch_size, context, num_steps)
     engine = llm.llm_engine
     timer = ForwardTimer(engine.executor.worker.runner.model, stub)  # type: ignore[attr-defined]
@@ -244,18 +254,37 @@ def engine_case(
         engine.step()
     if engine.scheduler.num_running != batch_size:
         raise RuntimeError(f"{engine.scheduler.num_running} of {batch_size} requests running")
-    times = _maybe_profiled(profile, lambda: host_times(engine.step, timer, num_steps))
+    timed = _maybe_profiled(profile, lambda: host_times(engine.step, timer, num_steps), gc_freeze)
     engine.shutdown()
-    return times
+    return timed
 
 
-def _maybe_profiled(profile: bool, fn: Callable[[], list[float]]) -> list[float]:
-    if not profile:
-        return fn()
-    profiler = cProfile.Profile()
-    times = profiler.runcall(fn)
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-    return times
+class Timed(NamedTuple):
+    times: list[float]  # per call, as host_times
+    gc_collections: list[int]  # automatic collections per generation during the timed calls
+
+
+def _maybe_profiled(profile: bool, fn: Callable[[], list[float]], gc_freeze: bool = False) -> Timed:
+    """Runs the timed calls ``fn``, counting the garbage collector's automatic collections
+    (their time is in the calls' CPU time). ``gc_freeze``: first collect and freeze what the
+    set-up left (``gc.freeze``, what vLLM does after its warm-up), so the oldest generation's
+    collections no longer traverse the model and engine."""
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
+    before = [g["collections"] for g in gc.get_stats()]
+    try:
+        if not profile:
+            times = fn()
+        else:
+            profiler = cProfile.Profile()
+            times = profiler.runcall(fn)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    finally:
+        if gc_freeze:
+            gc.unfreeze()
+    collections = [g["collections"] - b for g, b in zip(gc.get_stats(), before, strict=True)]
+    return Timed(times, collections)
 
 
 def main() -> None:
@@ -270,6 +299,10 @@ def main() -> None:
         help="time the decode-graph path, k steps per call (worker level; see the docstring)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="gc.freeze() the set-up's objects before the timed steps (as vLLM after warm-up)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.multi_steps is not None and (args.multi_steps < 1 or args.level != "worker"):
@@ -283,21 +316,27 @@ def main() -> None:
             profile = args.profile and batch_size == largest
             stub = args.forward == "stub"
             if level == "worker":
-                times = worker_case(
-                    batch_size, args.context, args.steps, stub, profile, args.multi_steps
-                )
+                timed = worker_case(
+                    batch_size, args.context, args.steps, stub, profile, args.multi_steps,
+                    args.gc_freeze,
+                )  # fmt: skip
             else:
-                times = engine_case(batch_size, args.context, args.steps, stub, profile)
+                timed = engine_case(
+                    batch_size, args.context, args.steps, stub, profile, args.gc_freeze
+                )
+            times = timed.times
             median = statistics.median(times)
             rec.emit(
                 case="host_overhead", level=level, batch_size=batch_size, context=args.context,
                 forward=args.forward, multi_steps=args.multi_steps,
-                median_us=median * 1e6, min_us=min(times) * 1e6,
+                median_us=median * 1e6, mean_us=statistics.mean(times) * 1e6,
+                min_us=min(times) * 1e6,
                 max_us=max(times) * 1e6, samples=len(times),
                 per_step_us=median * 1e6 / (args.multi_steps or 1),
+                gc_collections=timed.gc_collections, gc_freeze=args.gc_freeze,
             )  # fmt: skip
     columns = ["level", "multi_steps", "batch_size", "context", "median_us", "per_step_us",
-               "min_us", "max_us"]  # fmt: skip
+               "mean_us", "min_us", "max_us"]  # fmt: skip
     print(table(rec.rows, columns))
 
 
