@@ -31,6 +31,7 @@ from dormant.engine.engine_start import (
     start_workers,
 )
 from dormant.engine.engine_status import EngineMemoryStatus
+from dormant.engine.gc_heap import FrozenHeap
 from dormant.engine.kv_epoch import CachedKVEpoch
 from dormant.engine.model_config_view import ModelConfigView
 from dormant.engine.output_processor import OutputProcessor
@@ -90,6 +91,8 @@ class LLMEngine:
             step=lambda: self.step(),
             refresh=lambda: self._refresh_sleep_state(),
         )
+        self._heap = FrozenHeap()
+        self._heap.freeze()  # last: the start-up's objects are never traversed again
 
     # ── requests ──────────────────────────────────────────────────────────────────────────────
 
@@ -281,6 +284,7 @@ class LLMEngine:
         return self.executor
 
     def shutdown(self) -> None:
+        self._heap.unfreeze()  # first: the workers' frees may need cycles collected
         self.executor.shutdown()
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
