@@ -7,12 +7,12 @@ machine, at batch 512 with 4 decode steps per call, two such collections in 60 c
 about 0.2 s each and doubled the mean host time per call (``benchmarks/host_overhead.py
 --gc-freeze``). vLLM freezes its heap after its warm-up for the same reason.
 
-So the first engine of a process freezes the heap once it has started (``gc.freeze``: the
-objects alive then are never traversed again), and unfreezes it when it shuts down, before its
-workers free their memory, so that cycles among its objects are collected then. A process
-whose heap something else froze already is left as it is. The freeze skips the full collection
-vLLM makes first (0.4 s in a test process): garbage that was already unreachable at start-up
-is only freed at the unfreeze.
+So the first engine of a process freezes the heap once it has started, as vLLM's
+``freeze_gc_heap`` does: a full collection first, so that no garbage of the start-up (a cycle
+holding a warm-up's tensors) is kept alive, then ``gc.freeze`` (the objects alive then are
+never traversed again). It unfreezes the heap when it shuts down, before its workers free their
+memory, so that cycles among its objects are collected then. A process whose heap something
+else froze already is left as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class FrozenHeap:
 
     def freeze(self) -> None:
         if gc.get_freeze_count() == 0:
+            gc.collect()
             gc.freeze()
             self._froze = True
 

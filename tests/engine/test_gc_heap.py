@@ -40,6 +40,21 @@ def test_the_first_engine_freezes_the_heap_until_its_shutdown(checkpoint) -> Non
     assert seen() is None  # unfrozen at shutdown: collected
 
 
+def test_garbage_of_the_start_up_is_collected_before_the_freeze(checkpoint) -> None:
+    garbage = Cycle()
+    seen = weakref.ref(garbage)
+    del garbage  # unreachable, not yet collected: frozen, it would live until the shutdown
+    gc.disable()  # no automatic collection during the start-up: only the engine's own
+    try:
+        llm = LLM(str(checkpoint), max_model_len=64)
+    finally:
+        gc.enable()
+    try:
+        assert seen() is None
+    finally:
+        llm.shutdown()
+
+
 def test_a_heap_frozen_by_someone_else_is_left_as_it_is(checkpoint) -> None:
     gc.freeze()
     frozen = gc.get_freeze_count()

@@ -231,3 +231,19 @@ def checkpoint_helper_pid(fake_driver: FakeDriver) -> int:
     readers = set(fake_driver.nvml_readers()) - {os.getpid()}
     assert len(readers) == 1, fake_driver.lines()
     return readers.pop()
+
+
+def test_memory_is_unknown_without_nvml_or_a_helper(tmp_path, monkeypatch, checkpoint) -> None:
+    """The helper answers what NVML cannot say with nulls, and a helper that cannot answer
+    makes the reading unknown: never an error (a status while released must not fail)."""
+    import ctypes.util
+
+    from dormant.memory import nvml
+
+    if ctypes.util.find_library("nvidia-ml") is not None:
+        pytest.skip("this machine has a real libnvidia-ml")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))  # no libcuda, no NVML
+    assert checkpoint.memory("00000000:06:00.0") == nvml.UNKNOWN
+    monkeypatch.setattr(pc, "HELPER", tmp_path / "missing_helper.py")  # it dies at once
+    checkpoint.close()
+    assert checkpoint.memory("00000000:06:00.0") == nvml.UNKNOWN
