@@ -66,13 +66,21 @@ def matmul_flops_per_s(size: int = 8192) -> float:
     return 2 * size**3 / statistics.median(times[1:])
 
 
-def decode_step(batch_size: int, context: int, block_size: int, num_kv_blocks: int) -> StepInput:
-    """A greedy decode step of ``batch_size`` sequences at position ``context``, each with its
-    own blocks: the ``ceil((context + 1) / block_size)`` it needs, of the ``num_kv_blocks`` the
-    engine's KV cache holds (``llm.llm_engine.runtime.num_kv_blocks``). A block id beyond the
-    cache would be an illegal address in the attention kernels, so a step that does not fit
-    raises instead."""
-    per_seq = -(-(context + 1) // block_size)
+def decode_step(
+    batch_size: int,
+    context: int,
+    block_size: int,
+    num_kv_blocks: int,
+    params: SamplingParams = GREEDY,
+    num_steps: int = 1,
+) -> StepInput:
+    """A decode step of ``batch_size`` sequences at position ``context``, sampled with
+    ``params`` (greedy by default), each with its own blocks: the ones its next ``num_steps``
+    positions need (``num_steps`` > 1: a fused multi-step call's), of the ``num_kv_blocks``
+    the engine's KV cache holds (``llm.llm_engine.runtime.num_kv_blocks``). A block id beyond
+    the cache would be an illegal address in the attention kernels, so a step that does not
+    fit raises instead."""
+    per_seq = -(-(context + num_steps) // block_size)
     if batch_size * per_seq > num_kv_blocks:
         raise ValueError(
             f"{batch_size} sequences at context {context} need {batch_size * per_seq} KV blocks"
@@ -81,7 +89,7 @@ def decode_step(batch_size: int, context: int, block_size: int, num_kv_blocks: i
     seqs = []
     for i in range(batch_size):
         table = tuple(range(i * per_seq, (i + 1) * per_seq))
-        seqs.append(SeqInput((11,), context, table, GREEDY, seed=i, num_output_tokens=1))
+        seqs.append(SeqInput((11,), context, table, params, seed=i, num_output_tokens=1))
     return StepInput(tuple(seqs), is_prefill=False)
 
 

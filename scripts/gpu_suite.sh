@@ -65,11 +65,12 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 8 min
   # the multi-step host-work cuts (benchmarks/host_overhead.py --multi-steps) and the rollout's
-  # compute-bound column, in the full rollout; then the batch-512 profile; then the residual
+  # compute-bound column, in the full rollout; then a profile of its sampled 4-step call at
+  # batch 512 (the sampler's and logprobs' kernels, the host's share); then the residual
   python3 benchmarks/rollout.py --multi-steps 4 --out "$OUT/rollout-ms4.jsonl" 2>&1 | tee "$OUT/rollout-ms4.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/decode_profile.py --batch-size 512 --context 768 --top 15 \
-    --out "$OUT/profile-b512.jsonl" 2>&1 | tee "$OUT/profile-b512.log"
+  python3 benchmarks/decode_profile.py --batch-size 512 --context 768 --top 25 \
+    --multi-steps 4 --sampled --out "$OUT/profile-b512-ms4.jsonl" 2>&1 | tee "$OUT/profile-b512-ms4.log"
   status=$((status | PIPESTATUS[0]))
   python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_residual.py \
     tests/gpu/test_residual_release.py 2>&1 | tee "$OUT/residual-gpu-tests.log"

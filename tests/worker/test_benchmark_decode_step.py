@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.decode import decode_step
+from dormant import SamplingParams
 
 
 def test_each_sequence_gets_the_blocks_its_context_needs_within_the_cache() -> None:
@@ -21,3 +22,10 @@ def test_each_sequence_gets_the_blocks_its_context_needs_within_the_cache() -> N
 def test_a_step_that_does_not_fit_the_cache_raises() -> None:
     with pytest.raises(ValueError, match="need 25088 KV blocks"):
         decode_step(512, 768, 16, num_kv_blocks=25087)
+
+
+def test_a_multi_step_call_gets_the_blocks_of_its_later_positions_and_its_params() -> None:
+    params = SamplingParams(temperature=1.0, logprobs=0)
+    step = decode_step(4, 767, 16, num_kv_blocks=1000, params=params, num_steps=4)
+    # positions 767 .. 770: 771 positions in blocks of 16
+    assert all(len(seq.block_table) == 49 and seq.params is params for seq in step.seqs)
