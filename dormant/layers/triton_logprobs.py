@@ -86,16 +86,24 @@ def _combine_kernel(
 
 
 def fused_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, packed: torch.Tensor
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_top: int,
+    packed: torch.Tensor,
+    *,
+    segment: int = _SEGMENT,
+    num_warps: int = 8,
 ) -> None:
     """Fills ``packed`` (int32 [n, 3 + 2 * num_top], ``gather_logprobs``'s layout) with the
     logprobs of ``logits`` (float32 [n, V], unit stride in V) for ``token_ids`` (int [n]):
     each token, its rank and logprob, then the ``num_top`` best tokens and their logprobs.
-    Preconditions: ``num_top <= min(MAX_FUSED_TOP, V)``. Never synchronizes with the host."""
+    Preconditions: ``num_top <= min(MAX_FUSED_TOP, V)``. Never synchronizes with the host.
+    ``segment`` (a power of two) and ``num_warps`` shape the first kernel's programs
+    (``benchmarks/logprobs_kernel.py`` sweeps them)."""
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
-    num_segments = triton.cdiv(vocab, _SEGMENT)
+    num_segments = triton.cdiv(vocab, segment)
     device = logits.device
     stats = torch.empty((3, num_rows, num_segments), dtype=torch.float32, device=device)
     counts = stats[2].view(torch.int32)
@@ -106,7 +114,8 @@ def fused_logprobs(
     tokens = token_ids.reshape(-1)
     _segment_stats_kernel[(num_rows, num_segments)](
         logits, tokens, stats[0], stats[1], counts, candidates[0], candidates[1],
-        vocab, logits.stride(0), num_segments, SEGMENT=_SEGMENT, NUM_TOP=num_top, num_warps=8,
+        vocab, logits.stride(0), num_segments, SEGMENT=segment, NUM_TOP=num_top,
+        num_warps=num_warps,
     )  # fmt: skip
     _combine_kernel[(num_rows,)](
         logits, tokens, stats[0], stats[1], counts, packed, lse,
