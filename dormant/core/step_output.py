@@ -9,6 +9,7 @@ event-guarded device-to-host copy, together with the tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,23 +25,27 @@ class TokenLogprobs(NamedTuple):
     ranks: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class SeqOutput:
+class SeqOutput(NamedTuple):
     """One sequence's share of a step.
 
     ``token_ids`` holds one sampled token per decode step run (one, or ``num_steps`` for the
     fused multi-step graph). ``logprobs`` is None unless the request asked for them; else it has
-    one entry per token in ``token_ids``. ``prompt_logprobs`` is None unless asked for; else it
-    has one entry per prompt position this step computed whose next token is known.
+    one entry per token in ``token_ids`` (a tuple, or the ``RowLogprobs`` of a decode step's
+    ``PackedLogprobs``: a sequence that makes each entry when read). ``prompt_logprobs`` is None
+    unless asked for; else it has one entry per prompt position this step computed whose next
+    token is known.
 
     With speculative decoding, a row with ``j`` drafts returns ``1 .. j + 1`` tokens (its
     accepted drafts, then the target's own token), and every row returns
     ``num_draft_computed_tokens``: the positions whose draft KV is now exact (the next step's
     draft starts there). None without speculation.
+
+    (A named tuple, as ``TokenLogprobs``: one is made per row per step on the host, and
+    ``tuple.__new__`` makes them without a Python frame; ``_replace`` gives a changed copy.)
     """
 
     token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None = None
+    logprobs: SequenceOf[TokenLogprobs] | None = None
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     num_draft_computed_tokens: int | None = None
 
