@@ -8,7 +8,6 @@ and the prompt logprobs, each where some row asked.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -88,7 +87,7 @@ def with_draft_computed(output: StepOutput, computed: list[int]) -> StepOutput:
     """``output`` with each row's ``num_draft_computed_tokens`` set."""
     return StepOutput(
         tuple(
-            dataclasses.replace(o, num_draft_computed_tokens=c)
+            o._replace(num_draft_computed_tokens=c)
             for o, c in zip(output.seqs, computed, strict=True)
         )
     )
