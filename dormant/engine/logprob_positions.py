@@ -46,6 +46,30 @@ class LogprobPositions:
                 positions.append(self._position(entry, k))
         return positions
 
+    def sampled_first(
+        self,
+        request_id: int,
+        token_ids: SequenceOf[int],
+        entry_ids: SequenceOf[int],
+        logprobs: SequenceOf[float],
+        ranks: SequenceOf[int],
+    ) -> list[LogprobsOnePosition]:
+        """``sampled``'s positions of entries of which only the first token is reported
+        (``logprobs=0``, or none carries top tokens), from their columns: each entry's token,
+        logprob and rank. Raises ``RuntimeError`` as ``sampled`` does."""
+        text = self._text
+        positions: list[LogprobsOnePosition] = []
+        for token_id, entry_id, logprob, rank in zip(
+            token_ids, entry_ids, logprobs, ranks, strict=True
+        ):
+            if entry_id != token_id:
+                raise RuntimeError(
+                    f"request {request_id}: the worker's logprobs are for token "
+                    f"{entry_id} but token {token_id} was sampled"
+                )
+            positions.append({token_id: Logprob(logprob, rank, text(token_id))})
+        return positions
+
     def prompt(
         self, num_logprobs: int | None, entries: SequenceOf[TokenLogprobs]
     ) -> list[LogprobsOnePosition]:

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
+from dormant.core.packed_logprobs import RowLogprobs
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_output import SeqOutput, TokenLogprobs
-from dormant.engine.logprob_positions import LogprobPositions
+from dormant.engine.logprob_positions import LogprobPositions, as_count
 from dormant.engine.outputs import (
     CompletionOutput,
     LogprobsOnePosition,
@@ -150,7 +151,7 @@ class OutputProcessor:
             ):
                 state.weights.append(weights)
             if output.logprobs is not None and appended:
-                self._record_logprobs(state, sample, appended, output.logprobs[: len(appended)])
+                self._record_logprobs(state, sample, appended, output.logprobs)
             if output.prompt_logprobs is not None and seq is state.seqs[0]:
                 self._record_prompt_logprobs(state, output.prompt_logprobs)
 
@@ -193,11 +194,26 @@ class OutputProcessor:
         token_ids: list[int],
         entries: SequenceOf[TokenLogprobs],
     ) -> None:
+        """Records the logprobs of ``token_ids``, the first ``len(token_ids)`` of ``entries``
+        (the row's output may run past the sample's stop)."""
         assert sample.logprobs is not None and sample.cumulative_logprob is not None
         num = state.params.logprobs
-        sample.logprobs += self._positions.sampled(state.request_id, num, token_ids, entries)
-        for entry in entries:  # one addition per token, in order, as vLLM sums them
-            sample.cumulative_logprob += entry.logprobs[0]
+        count = len(token_ids)
+        values: list[float]
+        if isinstance(entries, RowLogprobs) and (as_count(num) == 0 or entries.block.num_top == 0):
+            # Only each entry's first token is reported: read from the packed columns, no
+            # TokenLogprobs made (what LogprobPositions.sampled builds for these entries).
+            entry_ids, values, ranks = entries.columns(count)
+            positions = self._positions.sampled_first(
+                state.request_id, token_ids, entry_ids, values, ranks
+            )
+        else:
+            entries = entries[:count]
+            positions = self._positions.sampled(state.request_id, num, token_ids, entries)
+            values = [entry.logprobs[0] for entry in entries]
+        sample.logprobs += positions
+        for value in values:  # one addition per token, in order, as vLLM sums them
+            sample.cumulative_logprob += value
 
     def _record_prompt_logprobs(
         self, state: RequestState, entries: SequenceOf[TokenLogprobs]

@@ -3,7 +3,8 @@
 Every step packs what the host needs (the sampled tokens, and the logprobs where asked) into
 one int32 device tensor, copies it with ``non_blocking=True`` into a reusable host buffer
 (pinned on CUDA), and records an event; the host waits on that event only when it reads the
-values (``HostCopy.wait``). float32 values travel as their bits.
+values (``HostCopy.wait``). float32 values travel as their bits. The host reads the packed
+rows back with ``core/packed_logprobs.py`` (``unpack_logprobs``, ``PackedLogprobs``).
 
 A packed logprobs row for ``k`` top tokens, ``3 + 2k`` int32 (``gather_logprobs``):
 
@@ -18,18 +19,15 @@ A packed logprobs row for ``k`` top tokens, ``3 + 2k`` int32 (``gather_logprobs`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from itertools import repeat
-
 import numpy as np
 import torch
 
 from dormant.core.config import LogprobsMode
-from dormant.core.step_output import TokenLogprobs
+from dormant.core.packed_logprobs import NUM_FIXED_COLUMNS as _NUM_FIXED_COLUMNS
+from dormant.core.packed_logprobs import unpack_logprobs as unpack_logprobs  # the host side
 from dormant.layers.kernels import use_triton
 from dormant.memory.census import host_staging
 
-_NUM_FIXED_COLUMNS = 3
 _MAX_FUSED_TOP = 32  # dormant.layers.triton_logprobs.MAX_FUSED_TOP (that module needs Triton)
 
 
@@ -57,37 +55,6 @@ def trim_top(packed: torch.Tensor, num_top: int) -> torch.Tensor:
     ids_end = _NUM_FIXED_COLUMNS + num_top
     values = packed[..., _NUM_FIXED_COLUMNS + carried :][..., :num_top]
     return torch.cat([packed[..., :ids_end], values], dim=-1)
-
-
-def unpack_logprobs(packed: np.ndarray) -> list[TokenLogprobs]:
-    """The host side of ``gather_logprobs``: one ``TokenLogprobs`` per row of ``packed``
-    (int32 [n, 3 + 2k]); the top tokens' ranks are 1 .. k.
-
-    This runs on the host between steps, once per row, so no row runs Python code: each
-    field's columns become one list of tuples in numpy and C, and the named tuples are made
-    by ``tuple.__new__`` (what ``TokenLogprobs._make`` does, without its Python frame).
-    """
-    num_top = (packed.shape[-1] - _NUM_FIXED_COLUMNS) // 2
-    values = packed.view(np.float32)
-    token_ids: Iterable[tuple[int, ...]]
-    logprobs: Iterable[tuple[float, ...]]
-    ranks: Iterable[tuple[int, ...]]
-    if num_top == 0:
-        token_ids = zip(packed[:, 0].tolist())
-        logprobs = zip(values[:, 2].tolist())
-        ranks = zip(packed[:, 1].tolist())
-    else:
-        top_ids = slice(_NUM_FIXED_COLUMNS, _NUM_FIXED_COLUMNS + num_top)
-        top_values = slice(_NUM_FIXED_COLUMNS + num_top, _NUM_FIXED_COLUMNS + 2 * num_top)
-        top_ranks = np.broadcast_to(
-            np.arange(1, num_top + 1, dtype=np.int32), (len(packed), num_top)
-        )
-        token_ids = map(tuple, np.concatenate([packed[:, :1], packed[:, top_ids]], 1).tolist())
-        logprobs = map(tuple, np.concatenate([values[:, 2:3], values[:, top_values]], 1).tolist())
-        ranks = map(tuple, np.concatenate([packed[:, 1:2], top_ranks], 1).tolist())
-    return list(
-        map(tuple.__new__, repeat(TokenLogprobs), zip(token_ids, logprobs, ranks, strict=True))
-    )
 
 
 def packed_logprobs(

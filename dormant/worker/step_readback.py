@@ -10,18 +10,21 @@ The host copy holds, in order (int32; float32 values as their bits):
 
 This runs on the host between two steps, while the device waits for the next one, so its
 per-row work is C-level (``tolist``, ``zip``, ``map``): no Python frame runs per row except
-``SeqOutput``'s own constructor, and a loop over the rows that compute prompt logprobs.
+``RowLogprobs``' constructor (rows with logprobs), and a loop over the rows that compute prompt
+logprobs. The decode logprobs stay packed (``core/packed_logprobs.py``): a row's
+``TokenLogprobs`` are made only when the engine reads them, and its common case does not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from itertools import repeat
 
 import numpy as np
 
+from dormant.core.packed_logprobs import PackedLogprobs, RowLogprobs, unpack_logprobs
 from dormant.core.step_input import SeqInput
 from dormant.core.step_output import SeqOutput, StepOutput, TokenLogprobs
-from dormant.worker.logprobs import unpack_logprobs
 
 
 def read_step_output(
@@ -43,18 +46,15 @@ def read_step_output(
     end = num_steps * num_seqs
     # One tuple of num_steps tokens per row: zip(*) transposes the step-major rows in C.
     token_ids = list(zip(*host[:end].reshape(num_steps, num_seqs).tolist(), strict=True))
-    logprobs: list[tuple[TokenLogprobs, ...] | None] = [None] * num_seqs
+    logprobs: SequenceOf[RowLogprobs | None] = [None] * num_seqs
     if width is not None:
         packed = host[end : end + end * width].reshape(-1, width)
         end += packed.size
-        per_token = unpack_logprobs(packed)  # step-major: [step * num_seqs + row]
-        steps = [per_token[s * num_seqs : (s + 1) * num_seqs] for s in range(num_steps)]
-        per_row: list[tuple[TokenLogprobs, ...] | None] = list(zip(*steps, strict=True))
+        # A copy: the host buffer is the next step's. No object per token (PackedLogprobs).
+        rows = PackedLogprobs(packed.copy(), num_seqs).rows()
         wants = [s.params.logprobs is not None for s in seqs]
         logprobs = (
-            per_row
-            if all(wants)
-            else [e if w else None for e, w in zip(per_row, wants, strict=True)]
+            rows if all(wants) else [e if w else None for e, w in zip(rows, wants, strict=True)]
         )
     prompt_logprobs: list[tuple[TokenLogprobs, ...] | None] = [None] * num_seqs
     if prompt_width is not None:  # else no row computed prompt logprobs (decode steps)
@@ -65,4 +65,6 @@ def read_step_output(
                 count = len(seq.token_ids) - 1
                 prompt_logprobs[row] = tuple(entries[next_entry : next_entry + count])
                 next_entry += count
-    return StepOutput(tuple(map(SeqOutput, token_ids, logprobs, prompt_logprobs)))
+    # tuple.__new__ makes each named tuple without SeqOutput.__new__'s Python frame.
+    fields = zip(token_ids, logprobs, prompt_logprobs, repeat(None))
+    return StepOutput(tuple(map(tuple.__new__, repeat(SeqOutput), fields)))

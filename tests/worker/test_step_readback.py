@@ -105,3 +105,17 @@ def test_read_step_output_matches_rows(case: int) -> None:
     host = np.concatenate(parts)
     got = read_step_output(host, seqs, num_steps, width, prompt_width)
     assert got == reference_read(host, seqs, num_steps, width, prompt_width)
+
+
+def test_read_step_output_keeps_its_logprobs_past_the_next_step() -> None:
+    """The host buffer is the next step's: the decode logprobs, kept packed, are a copy."""
+    rng = np.random.default_rng(5)
+    num_seqs, num_steps = 3, 4
+    seqs = [SeqInput((1,), 0, (0,), SamplingParams(logprobs=1), 0, 0) for _ in range(num_seqs)]
+    tokens = rng.integers(0, 1000, num_steps * num_seqs, dtype=np.int32)
+    packed = random_packed(rng, num_steps * num_seqs, 1).reshape(-1)
+    host = np.concatenate([tokens, packed])
+    expected = reference_read(host, seqs, num_steps, packed_width(1), None)
+    got = read_step_output(host, seqs, num_steps, packed_width(1), None)
+    host[:] = 0  # the next step's copy lands in the same buffer
+    assert got == expected
