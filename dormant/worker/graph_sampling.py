@@ -5,7 +5,8 @@ sampler a single step uses, from a ``SamplingTensors`` whose fields view the sta
 buffers below, so a replay reads them at the addresses it captured. Before each replay,
 ``load`` writes every step's rows of the batch into one pinned host buffer and copies it with
 one non-blocking transfer; step ``j``'s noise keys are ``noise_keys(seeds, steps + j)``, the
-keys the single step ``j`` steps later would hash, so the graph's tokens are the single steps'.
+keys the single step ``j`` steps later would hash, so the graph's tokens are the single steps'
+(each seed is hashed once, ``seed_keys``, then with each step, ``step_keys``).
 
 The graph serves rows that are greedy or random *without* filtering (``is_unfiltered``), so
 ``top_ks`` / ``top_ps`` / ``min_ps`` are constants (the vocabulary, 1, 0), written once.
@@ -28,17 +29,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from functools import cache, cached_property
+from itertools import repeat
+from operator import and_, attrgetter
 
 import numpy as np
 import torch
 
-from dormant.core.sampling_params import SamplingParams
+from dormant.core.sampling_params import GREEDY_TEMPERATURE_EPSILON, SamplingParams
 from dormant.core.step_input import SeqInput
 from dormant.memory import RUNTIME, MemoryManager
 from dormant.memory.census import host_staging
-from dormant.worker.sampler import SamplingTensors, noise_keys
+from dormant.worker.sampler import SamplingTensors, seed_keys, step_keys
 
 _MASK_64 = (1 << 64) - 1
+_PARAMS, _TEMPERATURE = attrgetter("params"), attrgetter("temperature")
+_SEED, _NUM_OUTPUT_TOKENS = attrgetter("seed"), attrgetter("num_output_tokens")
 
 
 def is_unfiltered(params: SamplingParams, vocab_size: int) -> bool:
@@ -54,34 +60,41 @@ def is_unfiltered(params: SamplingParams, vocab_size: int) -> bool:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where each field of a ``bs``-row batch of ``num_steps`` steps lies in the flat buffer."""
+    """Where each field of a ``bs``-row batch of ``num_steps`` steps lies in the flat buffer.
+    (Each slice is computed once, on first use: ``load`` reads them on every call.)"""
 
     bs: int
     num_steps: int
 
-    @property
+    @cached_property
     def keys(self) -> slice:
         return slice(0, 2 * self.num_steps * self.bs)
 
-    @property
+    @cached_property
     def steps(self) -> slice:
         return slice(self.keys.stop, self.keys.stop + self.num_steps * self.bs)
 
-    @property
+    @cached_property
     def seeds(self) -> slice:
         return slice(self.steps.stop, self.steps.stop + self.bs)
 
-    @property
+    @cached_property
     def temperatures(self) -> slice:
         return slice(self.seeds.stop, self.seeds.stop + (self.bs + 1) // 2)
 
-    @property
+    @cached_property
     def is_greedy(self) -> slice:
         return slice(self.temperatures.stop, self.temperatures.stop + (self.bs + 7) // 8)
 
-    @property
+    @cached_property
     def size(self) -> int:
         return self.is_greedy.stop
+
+
+@cache
+def _layout(bs: int, num_steps: int) -> _Layout:
+    """The one ``_Layout`` of each shape (its slices computed once)."""
+    return _Layout(bs, num_steps)
 
 
 class GraphSampling:
@@ -118,7 +131,7 @@ class GraphSampling:
     def rows(self, bs: int) -> list[SamplingTensors]:
         """Step ``j``'s ``SamplingTensors`` of a ``bs``-row graph, for each step: views of the
         static buffers, valid for every later replay."""
-        layout, flat = _Layout(bs, self.num_steps), self._flat
+        layout, flat = _layout(bs, self.num_steps), self._flat
         keys = flat[layout.keys].view(self.num_steps, 2, bs)
         steps = flat[layout.steps].view(self.num_steps, bs)
         constants = {
@@ -147,26 +160,27 @@ class GraphSampling:
         Preconditions: ``len(seqs) <= bs <= max_batch_size``; every row ``is_unfiltered``.
         """
         num_seqs, num_steps = len(seqs), self.num_steps
-        layout = _Layout(bs, num_steps)
+        layout = _layout(bs, num_steps)
         host = self._host_np
-        params = [seq.params for seq in seqs]
+        # Each column read by C callables (attrgetter, map): no Python frame per row.
+        temperature = np.fromiter(map(_TEMPERATURE, map(_PARAMS, seqs)), np.float64, num_seqs)
         is_greedy = host[layout.is_greedy].view(np.bool_)[:bs]
         is_greedy[num_seqs:] = True
-        is_greedy[:num_seqs] = np.fromiter((p.is_greedy for p in params), np.bool_, num_seqs)
+        is_greedy[:num_seqs] = temperature < GREEDY_TEMPERATURE_EPSILON  # params.is_greedy
         temperatures = host[layout.temperatures].view(np.float32)[:bs]
-        temperatures[:num_seqs] = np.fromiter((p.temperature for p in params), np.float64, num_seqs)
+        temperatures[:num_seqs] = temperature
         temperatures[is_greedy] = 1.0
         seeds = host[layout.seeds]
         seeds[num_seqs:] = 0
         seeds[:num_seqs] = np.fromiter(
-            (seq.seed & _MASK_64 for seq in seqs), np.uint64, num_seqs
+            map(and_, map(_SEED, seqs), repeat(_MASK_64)), np.uint64, num_seqs
         ).view(np.int64)
         steps = host[layout.steps].reshape(num_steps, bs)
         steps[0, num_seqs:] = 0
-        steps[0, :num_seqs] = np.fromiter((s.num_output_tokens for s in seqs), np.int64, num_seqs)
+        steps[0, :num_seqs] = np.fromiter(map(_NUM_OUTPUT_TOKENS, seqs), np.int64, num_seqs)
         steps[1:] = steps[0] + np.arange(1, num_steps, dtype=np.int64)[:, None]
-        # One hash of every (seed, step j) pair: [2, N * bs] keys, stored step-major.
-        keys = noise_keys(np.tile(seeds, num_steps), steps.reshape(-1))
+        # Each seed hashed once, then every (seed, step j) pair: [2, N * bs] keys, step-major.
+        keys = step_keys(np.tile(seed_keys(seeds), num_steps), steps.reshape(-1))
         host[layout.keys].reshape(num_steps, 2, bs)[:] = keys.reshape(2, num_steps, bs).swapaxes(
             0, 1
         )

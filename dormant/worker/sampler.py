@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from itertools import repeat
+from operator import and_, attrgetter
 from typing import TypeVar
 
 import numpy as np
 import torch
 
+from dormant.core.sampling_params import GREEDY_TEMPERATURE_EPSILON
 from dormant.core.step_input import SeqInput
 from dormant.layers.kernels import use_triton
 
@@ -40,6 +43,12 @@ _SEED_ROW, _STEP_ROW, _GREEDY_ROW = range(3)
 _KEY_ROWS = slice(3, 5)
 _FLOAT_ROWS = slice(5, 7)
 _NUM_PACKED_ROWS = 7
+_PARAMS, _SEED, _NUM_OUTPUT_TOKENS = (
+    attrgetter("params"),
+    attrgetter("seed"),
+    attrgetter("num_output_tokens"),
+)
+_TEMPERATURE, _TOP_P, _MIN_P = attrgetter("temperature"), attrgetter("top_p"), attrgetter("min_p")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,26 +88,26 @@ class SamplingTensors:
         """
         device = torch.device(device)
         num_seqs = len(seqs)
-        params = [seq.params for seq in seqs]
-        greedy = np.fromiter((p.is_greedy for p in params), np.bool_, num_seqs)
+        params = list(map(_PARAMS, seqs))  # columns read by C callables where they can be
+        # float64 columns, as the parameters are: the flags compare these, the rows get float32.
+        temperatures = np.fromiter(map(_TEMPERATURE, params), np.float64, num_seqs)
+        greedy = temperatures < GREEDY_TEMPERATURE_EPSILON  # params.is_greedy
         # top_k None, 0 or -1 all mean "off" (vLLM's callers pass all three). Clamped to the
         # vocabulary while still a Python int: a client's top_k may not fit an int64.
         top_ks = np.fromiter((min(p.top_k or 0, vocab_size) for p in params), np.int64, num_seqs)
         top_ks[greedy | (top_ks <= 0)] = vocab_size
         np.minimum(top_ks, vocab_size, out=top_ks)
-        # float64 columns, as the parameters are: the flags compare these, the rows get float32.
-        temperatures = np.fromiter((p.temperature for p in params), np.float64, num_seqs)
-        top_ps = np.fromiter((p.top_p for p in params), np.float64, num_seqs)
-        min_ps = np.fromiter((p.min_p for p in params), np.float64, num_seqs)
+        top_ps = np.fromiter(map(_TOP_P, params), np.float64, num_seqs)
+        min_ps = np.fromiter(map(_MIN_P, params), np.float64, num_seqs)
         temperatures[greedy], top_ps[greedy], min_ps[greedy] = 1.0, 1.0, 0.0
         packed = torch.empty(
             (_NUM_PACKED_ROWS, num_seqs), dtype=torch.int64, pin_memory=device.type == "cuda"
         )
         host = packed.numpy()
         host[_SEED_ROW] = np.fromiter(
-            (seq.seed & _MASK_64 for seq in seqs), np.uint64, num_seqs
+            map(and_, map(_SEED, seqs), repeat(_MASK_64)), np.uint64, num_seqs
         ).view(np.int64)
-        host[_STEP_ROW] = np.fromiter((seq.num_output_tokens for seq in seqs), np.int64, num_seqs)
+        host[_STEP_ROW] = np.fromiter(map(_NUM_OUTPUT_TOKENS, seqs), np.int64, num_seqs)
         host[_GREEDY_ROW].view(np.bool_)[:num_seqs] = greedy
         host[_KEY_ROWS] = noise_keys(host[_SEED_ROW], host[_STEP_ROW])
         floats = host[_FLOAT_ROWS].reshape(-1).view(np.float32)
@@ -254,14 +263,29 @@ def noise_keys(seeds: Int64s, steps: Int64s, salts: tuple[int, int] = _KEY_SALTS
     default; other users of the noise (speculative decoding) pass their own, so their draws
     are independent of the sampler's at the same ``(seed, step)``.
     """
+    return step_keys(seed_keys(seeds, salts), steps)
+
+
+def seed_keys(seeds: Int64s, salts: tuple[int, int] = _KEY_SALTS) -> Int64s:
+    """The first half of ``noise_keys``: the keys (int64 [2, n]) after hashing the seeds. A
+    row's keys at several steps hash its seed once: ``step_keys`` of these, each step."""
     if isinstance(seeds, np.ndarray):
         keys: Int64s = np.array(salts, np.int64)[:, None].repeat(seeds.shape[0], axis=1)
     else:
         keys = torch.stack([torch.full_like(seeds, salt) for salt in salts])
-    for value in (seeds, steps):
-        keys = _mix32(keys ^ (value & _MASK_32))
-        keys = _mix32(keys ^ ((value >> 32) & _MASK_32))
-    return keys
+    return _mix_in(keys, seeds)
+
+
+def step_keys(seeded: Int64s, steps: Int64s) -> Int64s:
+    """``noise_keys`` of the rows whose ``seed_keys`` are ``seeded`` (int64 [2, n]), at
+    ``steps`` (int64 [n])."""
+    return _mix_in(seeded, steps)
+
+
+def _mix_in(keys: Int64s, value: Int64s) -> Int64s:
+    """``keys`` (int64 [2, n]) with both 32-bit halves of ``value`` (int64 [n]) hashed in."""
+    keys = _mix32(keys ^ (value & _MASK_32))
+    return _mix32(keys ^ ((value >> 32) & _MASK_32))
 
 
 def _mix32(x: Int64s) -> Int64s:

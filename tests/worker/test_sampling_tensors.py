@@ -12,7 +12,7 @@ import torch
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_input import SeqInput
-from dormant.worker.sampler import SamplingTensors, noise_keys
+from dormant.worker.sampler import SamplingTensors, noise_keys, seed_keys, step_keys
 
 VOCAB_SIZE = 50
 SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 123456789012345]
@@ -105,3 +105,24 @@ def test_a_top_k_beyond_int64_keeps_the_whole_vocabulary() -> None:
                      num_output_tokens=0)  # fmt: skip
     tensors = SamplingTensors.from_sequences([huge, small], VOCAB_SIZE, "cpu")
     assert tensors.top_ks.tolist() == [VOCAB_SIZE, 3]
+
+
+def test_seed_keys_then_step_keys_are_noise_keys() -> None:
+    """A row's seed hashed once (``seed_keys``), then with each step (``step_keys``), gives the
+    keys of every (seed, step) pair, on the host and the device."""
+    seeds, steps = np.array(SEEDS, np.int64), np.array(STEPS, np.int64)
+    seeded = seed_keys(seeds)
+    assert step_keys(seeded, steps).tolist() == KEYS
+    tiled = step_keys(np.tile(seeded, 3), np.concatenate([steps, steps + 1, steps + 2]))
+    for j in range(3):
+        assert tiled[:, j * 6 : (j + 1) * 6].tolist() == noise_keys(seeds, steps + j).tolist()
+    device = step_keys(seed_keys(torch.tensor(SEEDS)), torch.tensor(STEPS))
+    assert device.tolist() == KEYS
+
+
+@pytest.mark.parametrize("temperature", [0, 0.0, 1e-6, 1e-5 - 1e-12, 1e-5, 1e-5 + 1e-12, 1])
+def test_greedy_rows_are_the_params_greedy_rows(temperature: float) -> None:
+    """The greedy column compares the temperatures as ``SamplingParams.is_greedy`` does."""
+    params = SamplingParams(temperature=temperature)
+    built = SamplingTensors.from_sequences([SeqInput((1,), 0, (0,), params, 0, 0)], 5, "cpu")
+    assert built.is_greedy.tolist() == [params.is_greedy]
