@@ -1,23 +1,27 @@
 """Speculative decoding at batch 1 on the 8B-like model (random weights), and sleep/wake of the
 target plus its draft.
 
-Cases (each its own engine, one after the other):
-- ``none``: no speculation (the target's decode steps replay CUDA graphs);
-- ``self k=3``: self-speculation (the draft is a second copy of the target): every draft is
-  accepted, the best case of a draft this size;
-- ``self k=3 eager``: the same with ``enforce_eager`` in the speculative config (what the
-  draft's and the verification's graphs save);
-- ``small k=3``: a 0.6B-like random draft with the target's vocabulary: its drafts are almost
-  always rejected, so this measures what a rejected draft costs.
+Cases (each its own engine, one after the other; ``cuda_graph_multi_steps`` 4 unless said):
+- ``none``: no speculation (the target's decodes replay the fused 4-step graph);
+- ``self k=3 rounds``: self-speculation (the draft is a second copy of the target): every draft
+  is accepted, the best case of a draft this size; its decodes run 4 speculative rounds per
+  replay of the fused rounds' graph (``worker/spec_rounds.py``);
+- ``self k=3``: the same, one round per step (``cuda_graph_multi_steps=1``): the draft's passes
+  and the verification replay their own graphs, the host between them;
+- ``self k=3 eager``: one round per step with ``enforce_eager`` in the speculative config (what
+  the draft's and the verification's graphs save);
+- ``small k=3 rounds`` and ``small k=3``: a 0.6B-like random draft with the target's
+  vocabulary: its drafts are almost always rejected, so these measure what a rejected draft
+  costs, with and without the fused rounds.
 
 Decode tokens/s: one greedy request with a ``--context``-token prompt; the time of
 ``max_tokens=1 + N`` less the time of ``max_tokens=1`` (the prefill), over N tokens; median of
-``--repeats``. In speculative decode steps every draft pass and the target's verification replay
-graphs; the fused multi-step graph is not used with speculation on.
+``--repeats``. ``rounds_replays`` counts the fused rounds' replays (0 where they are off).
 
-Sleep/wake (every engine; "none" is the target alone): level 1, then level 2 with
-wake_up(["weights"]), ``reload_weights`` (target and draft), wake_up(["kv_cache"]), each as the
-memory layer times it and as wall time; then a generation, whose acceptance rate must not change.
+Sleep/wake (every engine but the eager and the one-round ones; "none" is the target alone):
+level 1, then level 2 with wake_up(["weights"]), ``reload_weights`` (target and draft),
+wake_up(["kv_cache"]), each as the memory layer times it and as wall time; then a generation,
+whose acceptance rate must not change.
 
 Usage: python benchmarks/spec_decode.py [--out results.jsonl] [--tokens 128] [--context 512]
 """
@@ -46,10 +50,13 @@ QWEN3_0_6B_LIKE = {
 MAX_MODEL_LEN = 4096
 
 
-def make_engine(draft: dict[str, Any] | None, k: int, eager: bool = False) -> LLM:
+def make_engine(
+    draft: dict[str, Any] | None, k: int, eager: bool = False, multi_steps: int = 4
+) -> LLM:
     target = ModelConfig.from_dict(QWEN3_8B_LIKE)
     options: dict[str, Any] = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                   gpu_memory_utilization=0.8)  # fmt: skip
+                                   gpu_memory_utilization=0.8,
+                                   cuda_graph_multi_steps=multi_steps)  # fmt: skip
     if draft is not None:
         model = target if draft is QWEN3_8B_LIKE else ModelConfig.from_dict(draft)
         options["speculative_config"] = {
@@ -72,6 +79,12 @@ def decode_tokens_per_s(llm: LLM, context: int, num_tokens: int, repeats: int) -
     prefill = statistics.median(run(1) for _ in range(repeats))
     full = statistics.median(run(1 + num_tokens) for _ in range(repeats))
     return num_tokens / (full - prefill)
+
+
+def rounds_replays(llm: LLM) -> int:
+    spec_step = llm.llm_engine.executor.worker._spec_step
+    rounds = None if spec_step is None else spec_step.rounds
+    return 0 if rounds is None else rounds.num_replays
 
 
 def acceptance(llm: LLM) -> float | None:
@@ -118,12 +131,15 @@ def main() -> None:
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     rows, baseline = [], None
-    cases = (("none", None, False), (f"self k={args.k}", QWEN3_8B_LIKE, False),
-             (f"self k={args.k} eager", QWEN3_8B_LIKE, True),
-             (f"small k={args.k}", QWEN3_0_6B_LIKE, False))  # fmt: skip
-    for case, draft, eager in cases:
+    k = args.k
+    cases = (("none", None, False, 4), (f"self k={k} rounds", QWEN3_8B_LIKE, False, 4),
+             (f"self k={k}", QWEN3_8B_LIKE, False, 1),
+             (f"self k={k} eager", QWEN3_8B_LIKE, True, 1),
+             (f"small k={k} rounds", QWEN3_0_6B_LIKE, False, 4),
+             (f"small k={k}", QWEN3_0_6B_LIKE, False, 1))  # fmt: skip
+    for case, draft, eager, multi_steps in cases:
         start = time.perf_counter()
-        llm = make_engine(draft, args.k, eager)
+        llm = make_engine(draft, k, eager, multi_steps)
         setup_s = time.perf_counter() - start
         try:
             speed = decode_tokens_per_s(llm, args.context, args.tokens, args.repeats)
@@ -131,13 +147,15 @@ def main() -> None:
             row = rec.emit(
                 case=case, setup_s=setup_s, tokens_per_s=speed, x_none=speed / baseline,
                 acceptance=acceptance(llm), num_blocks=llm.llm_engine.runtime.num_kv_blocks,
+                rounds_replays=rounds_replays(llm),
             )  # fmt: skip
             rows.append(row)
-            if not eager:  # "none": the target's own, to compare
+            if multi_steps > 1:  # "none": the target's own, to compare
                 sleep_wake(rec, case, llm, args.context)
         finally:
             llm.shutdown()
-    print(table(rows, ["case", "tokens_per_s", "x_none", "acceptance", "setup_s"]))
+    print(table(rows, ["case", "tokens_per_s", "x_none", "acceptance", "rounds_replays",
+                       "setup_s"]))  # fmt: skip
 
 
 if __name__ == "__main__":

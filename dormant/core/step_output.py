@@ -52,7 +52,11 @@ class SeqOutput(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
+    """Each row's ``SeqOutput``. ``round_counts``: speculative rounds run in one call
+    (``worker/spec_rounds.py``), each row's emitted count per round (None otherwise)."""
+
     seqs: tuple[SeqOutput, ...]
+    round_counts: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def from_token_ids(cls, token_ids: list[list[int]]) -> StepOutput:

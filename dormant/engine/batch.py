@@ -24,7 +24,9 @@ class SchedulerConfig:
         enable_chunked_prefill: steps mix decodes with chunks of prompts (vLLM V1); off,
             a step is a prefill of whole sequences or a decode.
         num_speculative_tokens: drafts a decode row may verify per step (speculative
-            decoding; 0: off). Requires ``num_decode_steps == 1``.
+            decoding; 0: off). With it, ``num_decode_steps`` counts speculative rounds: a
+            decode batch may run that many (draft, verify) rounds at once (the worker's
+            fused rounds).
         enable_fork: the ``n`` samples of a request fork from one prefill
             (``engine/forks.py``), when prefix caching is on; off, each sample is prefilled
             and finds the prompt's full blocks in the prefix cache.
@@ -60,8 +62,6 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so a full decode batch fits in one step"
             )
-        if self.num_speculative_tokens and self.num_decode_steps != 1:
-            raise ValueError("speculative decoding runs one step per batch: num_decode_steps=1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +69,8 @@ class ScheduledBatch:
     """The rows of one step: sequence ``seqs[i]`` computes ``num_new_tokens[i]`` positions from
     its ``num_computed_tokens`` on, then samples one token if that reaches its last token (a
     chunk of a longer prompt samples nothing). A decode (every row computes its newest token
-    only) with ``num_steps > 1`` repeats that ``num_steps`` times, greedily, feeding each token
-    back. Block tables already cover all computed positions.
+    only) with ``num_steps > 1`` repeats that ``num_steps`` times, feeding each token back.
+    Block tables already cover all computed positions.
 
     ``is_prefill`` (some row is not a decode: the step runs eagerly, not from a decode graph),
     ``num_scheduled_tokens`` (positions computed, over all steps) and ``num_prefill_tokens``
@@ -79,7 +79,9 @@ class ScheduledBatch:
     Speculative decoding (``is_speculative``): a decode row with ``num_draft_tokens[i] = j``
     computes ``num_new_tokens[i] = 1 + j`` positions (its newest token and ``j`` drafts) and
     emits ``1 .. j + 1`` tokens; its blocks cover them all. Every row's draft catches up from
-    its sequence's ``num_draft_computed_tokens``.
+    its sequence's ``num_draft_computed_tokens``. With ``num_steps = M > 1`` (speculative
+    rounds), each row runs ``M`` such rounds, each fed the last, and emits ``M .. M (j + 1)``
+    tokens; its blocks cover ``M (j + 1) - 1`` positions past its newest token.
 
     Forks (``engine/forks.py``): a fork row computes no position (``num_new_tokens[i] = 0``)
     and samples its first token from the logits of row ``fork_of[i]``, its leader, which
@@ -153,13 +155,13 @@ class ScheduledBatch:
 
     def check_token_ids(self, token_ids: list[list[int]]) -> None:
         """Raises ``ValueError`` unless every row returned ``num_steps`` tokens, or
-        ``1 .. j + 1`` with ``j`` drafts."""
+        ``num_steps .. num_steps * (j + 1)`` with ``j`` drafts."""
         counts = [len(tokens) for tokens in token_ids]
         is_plain = not self.num_draft_tokens and len(counts) == self.num_seqs
         if is_plain and all(count == self.num_steps for count in counts):
             return  # the common case, without building each row's bounds
         expected = [
-            (1, 1 + self.num_drafts_of(row)) if self.num_drafts_of(row) else (self.num_steps,) * 2
+            (self.num_steps, self.num_steps * (1 + self.num_drafts_of(row)))
             for row in range(self.num_seqs)
         ]
         if len(counts) != self.num_seqs or any(

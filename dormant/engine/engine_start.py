@@ -65,15 +65,15 @@ def engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
 
 
 def scheduler_config(config: EngineConfig, max_multi_step_seqs: int) -> SchedulerConfig:
-    """The scheduler's limits: ``config``'s, with the multi-step batch the workers captured.
-    Speculative decoding's decodes verify drafts, one step each."""
+    """The scheduler's limits: ``config``'s, with the multi-step batch the workers captured
+    (with speculative decoding, their fused rounds')."""
     speculative = config.speculative_config
     num_steps = config.cuda_graph_multi_steps if max_multi_step_seqs else 1
     return SchedulerConfig(
         config.max_num_seqs,
         config.max_num_batched_tokens,
         config.max_model_len,
-        num_decode_steps=1 if speculative else num_steps,
+        num_decode_steps=num_steps,
         max_multi_step_seqs=max(max_multi_step_seqs, 1),
         enable_chunked_prefill=config.enable_chunked_prefill is not False,  # None: on
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,

@@ -163,7 +163,7 @@ class LLMEngine:
         num_before = [seq.num_output_tokens for seq in batch.seqs]
         tokens = [list(seq.token_ids) for seq in output.seqs]
         if self.spec_decode_stats is not None:
-            record_step(batch.seqs, batch.num_draft_tokens, output.seqs, self.spec_decode_stats)
+            record_step(batch.seqs, batch.num_draft_tokens, output, self.spec_decode_stats)
         draft_computed = [seq.num_draft_computed_tokens for seq in output.seqs]
         finished = self.scheduler.postprocess_steps(
             batch, tokens, self.outputs.on_token, draft_computed

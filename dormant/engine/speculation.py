@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
 
-from dormant.core.step_output import SeqOutput
+from dormant.core.step_output import StepOutput
 from dormant.engine import stopping
 from dormant.engine.batch import SchedulerConfig
 from dormant.engine.sequence import Sequence
@@ -46,16 +46,21 @@ def num_drafts(seq: Sequence, config: SchedulerConfig) -> int:
 def record_step(
     seqs: SequenceOf[Sequence],
     num_draft_tokens: SequenceOf[int],
-    outputs: SequenceOf[SeqOutput],
+    output: StepOutput,
     total: SpecDecodeStats,
 ) -> None:
     """Counts each row that verified drafts into its sequence's stats and ``total``: a row with
-    ``j`` drafts returned ``1 + accepted`` tokens."""
-    for seq, count, output in zip(seqs, num_draft_tokens, outputs, strict=True):
+    ``j`` drafts returned ``1 + accepted`` tokens per round (``output.round_counts``: each
+    round's count, when it ran several; else one round, all its tokens)."""
+    rounds = output.round_counts
+    for row, (seq, count, seq_output) in enumerate(
+        zip(seqs, num_draft_tokens, output.seqs, strict=True)
+    ):
         if not count:
             continue
-        accepted = len(output.token_ids) - 1
         if seq.spec_decode_stats is None:
             seq.spec_decode_stats = SpecDecodeStats()
-        seq.spec_decode_stats.record(count, accepted)
-        total.record(count, accepted)
+        emitted = (len(seq_output.token_ids),) if rounds is None else rounds[row]
+        for num_emitted in emitted:
+            seq.spec_decode_stats.record(count, num_emitted - 1)
+            total.record(count, num_emitted - 1)

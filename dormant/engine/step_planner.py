@@ -6,7 +6,9 @@ the planner only decides and takes blocks.
 Speculative decoding: a decode row of an eligible sequence (``speculation.num_drafts``) also
 computes its drafts' positions, when the budget and free blocks allow (else it is a plain
 decode: drafts never preempt anyone). Only its real tokens are published to the prefix cache,
-so no cached block ever holds a rejected draft's KV."""
+so no cached block ever holds a rejected draft's KV. A batch of such decodes, every row with
+all ``k`` drafts, may run ``num_decode_steps`` speculative rounds at once
+(``_num_spec_rounds``)."""
 
 from __future__ import annotations
 
@@ -72,7 +74,15 @@ class StepPlanner:
         )
         if not fork_rows and self.drafts is None and is_decode:
             return self._decode_batch([seq for seq, _ in rows])
+        if not fork_rows and self.drafts is not None and all(self._is_spec_decode(r) for r in rows):
+            return self._decode_batch([seq for seq, _ in rows])
         return ScheduledBatch.of(rows + fork_rows, 1, self.drafts, leaders, copies)
+
+    def _is_spec_decode(self, row: Row) -> bool:
+        """A decode row (its newest token) with its drafts, if any."""
+        seq, num_new = row
+        assert self.drafts is not None
+        return _is_decode(seq, num_new - self.drafts.get(seq.seq_id, 0))
 
     def _schedule_decodes(self, budget: int) -> list[Row] | None:
         """Step 1 at once when every running sequence is a decode without drafts and they all
@@ -201,8 +211,35 @@ class StepPlanner:
     def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch:
         if self.drafts is not None:
             rows = [(seq, 1 + self.drafts.get(seq.seq_id, 0)) for seq in seqs]
-            return ScheduledBatch.of(rows, drafts=self.drafts)
+            return ScheduledBatch.of(rows, self._num_spec_rounds(seqs), self.drafts)
         return ScheduledBatch.decodes(seqs, self._num_decode_steps(seqs))
+
+    def _num_spec_rounds(self, seqs: list[Sequence]) -> int:
+        """Runs ``num_decode_steps`` speculative rounds at once when nothing waits to be
+        prefilled, every sequence verifies all ``k`` drafts and has a token left to make per
+        round, and the blocks of its positions up to ``num_decode_steps * (k + 1) - 1`` past its
+        newest token are free (taken here) and within ``max_model_len``; else one round. Each
+        round emits ``1 .. k + 1`` tokens, so a sequence may stop before the last round: it
+        drops the tokens after its stop, as a multi-step decode does."""
+        config, drafts = self.config, self.drafts
+        num_rounds, k = config.num_decode_steps, config.num_speculative_tokens
+        if num_rounds == 1 or drafts is None or self.waiting:
+            return 1
+        if len(seqs) > config.max_multi_step_seqs:
+            return 1
+        lookahead = num_rounds * (k + 1) - 1
+        for seq in seqs:
+            if drafts.get(seq.seq_id, 0) != k or seq.num_tokens + lookahead > config.max_model_len:
+                return 1
+            if stopping.max_tokens(seq, config.max_model_len) - seq.num_output_tokens < num_rounds:
+                return 1
+        manager = self.block_manager
+        missing = sum(manager.num_missing_blocks(seq, lookahead) for seq in seqs)
+        if missing > manager.num_free_blocks:
+            return 1
+        for seq in seqs:
+            manager.append_block_if_needed(seq, lookahead)
+        return num_rounds
 
     def _num_decode_steps(self, seqs: list[Sequence]) -> int:
         """Runs ``num_decode_steps`` steps at once when nothing waits to be prefilled, every

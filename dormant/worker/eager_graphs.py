@@ -1,7 +1,8 @@
 """Decode "graphs" on the CPU: ``capture_eagerly`` fills a ``DecodeGraphs`` the way ``capture``
 does, with stand-ins whose ``replay`` runs the captured body again (capturing needs CUDA). So
 ``ModelRunner.execute`` and ``execute_multi_step`` take their graph paths on the CPU, with the
-same buffers, loads, bodies and read-backs; only the CUDA graph itself is missing. The CPU tests
+same buffers, loads, bodies and read-backs; only the CUDA graph itself is missing (and so do
+speculative decoding's fused rounds, ``capture_rounds_eagerly``). The CPU tests
 check the graph paths with it, and ``benchmarks/host_overhead.py --multi-steps`` times the host
 work around them (nothing in the engine uses it)."""
 
@@ -15,6 +16,7 @@ import torch
 from dormant.memory import RUNTIME
 from dormant.worker.cuda_graphs import CapturedGraph, DecodeGraphs
 from dormant.worker.logprobs import packed_width
+from dormant.worker.spec_rounds import SpecRounds
 
 
 class EagerGraph:
@@ -50,6 +52,13 @@ def capture_eagerly(graphs: DecodeGraphs) -> None:
             multi = EagerGraph(partial(graphs._steps, bs, tokens, packed))
             graphs.multi_step[bs] = CapturedGraph(multi, tokens, packed)  # type: ignore[arg-type]
     graphs._fill_padding(graphs.batch_sizes[-1])
+
+
+def capture_rounds_eagerly(rounds: SpecRounds, batch_sizes: list[int]) -> None:
+    """``SpecRounds.capture`` with ``EagerGraph``s: one per batch size that fits."""
+    for bs in sorted((bs for bs in batch_sizes if bs <= rounds.max_rows), reverse=True):
+        rounds._fill_padding(0, bs)
+        rounds.graphs[bs] = EagerGraph(partial(rounds.body, bs))
 
 
 def num_replays(graphs: dict[int, CapturedGraph]) -> int:

@@ -83,13 +83,15 @@ class ModelRunner:
         layers = model.attention_layers()
         self.block_copier.register(lambda: [(layer.checked_cache(), 1) for layer in layers])
 
-    def capture_graphs(self) -> None:
-        """Captures the decode graphs once (GPU only); they are never recaptured."""
+    def capture_graphs(self, multi_steps: int | None = None) -> None:
+        """Captures the decode graphs once (GPU only); they are never recaptured.
+        ``multi_steps``: the fused multi-step graphs' steps (default the config's; 1: none)."""
         config = self.config
         powers = [s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if s < config.max_num_seqs]
         sizes = config.cuda_graph_batch_sizes or (*powers, config.max_num_seqs)
         self.graphs = DecodeGraphs(
-            self.model, self.inputs, self.mm, list(sizes), config.cuda_graph_multi_steps,
+            self.model, self.inputs, self.mm, list(sizes),
+            config.cuda_graph_multi_steps if multi_steps is None else multi_steps,
             config.max_model_len, self.logprobs_mode, self.multi_step_top_logprobs,
         )  # fmt: skip
         if self.graphs.sampling is not None:  # the multi-step graphs read them at these

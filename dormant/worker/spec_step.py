@@ -57,6 +57,8 @@ from dormant.worker.sampler import SamplingTensors, processed_logits
 from dormant.worker.spec_drafter import Drafter
 from dormant.worker.spec_inputs import SpecLayout, SpecViews
 from dormant.worker.spec_outputs import read_outputs, with_draft_computed
+from dormant.worker.spec_round_steps import run_rounds_singly
+from dormant.worker.spec_rounds import SpecRounds
 from dormant.worker.target_verifier import TargetVerifier
 
 _PASS_ARRAYS = 5  # PassLayout.arrays()
@@ -90,6 +92,14 @@ class SpecStep:
             runner.model, runner.mm, runner.config, null_block, spec.num_speculative_tokens,
             draft.hidden_cache,
         )  # fmt: skip
+        # A draft model's fused rounds (``cuda_graph_multi_steps`` per replay, greedy batches)
+        self.num_rounds = runner.config.cuda_graph_multi_steps
+        self.rounds: SpecRounds | None = None
+        if self.decoder is not None and self.num_rounds > 1:
+            self.rounds = SpecRounds(
+                self.decoder, self.verifier, runner.mm, self.num_rounds, runner.logprobs_mode,
+                runner.multi_step_top_logprobs,
+            )  # fmt: skip
 
     @classmethod
     def create(
@@ -111,11 +121,13 @@ class SpecStep:
         if step.mtp is not None:
             mm.guard_addresses("mtp.inputs", step.mtp.tensors)
         mm.guard_addresses("verifier.inputs", step.verifier.inputs.tensors)
+        if step.rounds is not None:
+            mm.guard_addresses("spec_rounds.inputs", step.rounds.tensors)
         return step
 
     def capture_graphs(self) -> None:
-        """Captures the draft's decode graphs (a draft model's, or MTP's passes) and the
-        verification's graphs at the target's batch sizes (GPU only)."""
+        """Captures the draft's decode graphs (a draft model's, or MTP's passes), the
+        verification's graphs and the fused rounds' at the target's batch sizes (GPU only)."""
         graphs = self.runner.graphs
         if graphs is None or self.spec.enforce_eager:
             return
@@ -124,6 +136,32 @@ class SpecStep:
         if self.mtp is not None:
             self.mtp.capture(graphs.batch_sizes)
         self.verifier.capture(graphs.batch_sizes)
+        if self.rounds is not None:
+            self.rounds.capture(graphs.batch_sizes)
+
+    @property
+    def max_rounds_rows(self) -> int:
+        """The largest batch the fused rounds' graph takes (0: none was captured)."""
+        return 0 if self.rounds is None else max(self.rounds.graphs, default=0)
+
+    @torch.inference_mode()
+    def execute_rounds(self, step: StepInput) -> StepOutput:
+        """``num_rounds`` speculative steps of a decode batch, each round's tokens fed back: one
+        replay of the fused rounds' graph where the batch fits it (``SpecRounds.fits``), else
+        single steps, with the same results. Precondition: the block tables cover each row's
+        positions up to ``start_position + num_rounds * (k + 1) - 1``, below ``max_model_len``.
+        """
+        if step.is_prefill or step.has_forks:
+            raise ValueError("speculative rounds run decode batches (no prefill, no fork rows)")
+        rounds, runner = self.rounds, self.runner
+        max_len = runner.config.max_model_len
+        if (
+            rounds is not None
+            and not runner.is_logits_patched
+            and rounds.fits(step.seqs, runner.logprobs_mode, max_len)
+        ):
+            return rounds.run(step)
+        return run_rounds_singly(self.execute, step, self.num_rounds)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

@@ -201,16 +201,22 @@ class Worker:
         self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
         if self.draft is not None:  # its KV, guarded, and the step that drafts and verifies
             self._spec_step = SpecStep.create(self.runner, self.draft, num_blocks)
+        spec_step = self._spec_step  # its decodes run its rounds, not the plain multi-step graph
         if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_graphs()
-            if self._spec_step is not None:
-                self._spec_step.capture_graphs()
+            self.runner.capture_graphs(multi_steps=1 if spec_step is not None else None)
+            if spec_step is not None:
+                spec_step.capture_graphs()
         if self.config.enable_sleep_mode and self.config.prepare_sleep_arena:
             self.mm.prepare_arena(level=1)  # in the background: the first sleep then only copies
+        if spec_step is not None:
+            return spec_step.max_rounds_rows
         graphs = self.runner.graphs
         return max(graphs.multi_step, default=0) if graphs is not None else 0
 
     def execute_multi_step(self, step: StepInput) -> StepOutput:
+        """``cuda_graph_multi_steps`` decode steps, or speculative rounds, in one call."""
+        if self._spec_step is not None:
+            return self._spec_step.execute_rounds(step)
         return self.runner.execute_multi_step(step)
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -94,3 +94,54 @@ def test_preemption_resets_the_drafts_kv_count() -> None:
     assert seq.num_draft_computed_tokens == 5
     scheduler.preempt_all()
     assert seq.num_draft_computed_tokens == 0 and seq.num_computed_tokens == 0
+
+
+def make_rounds(num_blocks: int = 64, chunked: bool = True, max_model_len: int = 64) -> Scheduler:
+    """A scheduler whose speculative decodes may run ``ROUNDS`` rounds per batch."""
+    config = SchedulerConfig(8, 64, max_model_len, num_decode_steps=ROUNDS, max_multi_step_seqs=8,
+                             enable_chunked_prefill=chunked, num_speculative_tokens=K)  # fmt: skip
+    return Scheduler(config, BlockManager(num_blocks, BLOCK, True), frozenset({0}))
+
+
+ROUNDS = 2
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_full_draft_decodes_run_rounds_with_the_blocks_of_every_round(chunked: bool) -> None:
+    scheduler, factory = make_rounds(chunked=chunked), SequenceFactory()
+    a = add(scheduler, factory, 5, max_tokens=20)
+    b = add(scheduler, factory, 6, max_tokens=20)
+    prefill(scheduler)
+    batch = scheduler.schedule()
+    assert batch is not None and batch.num_steps == ROUNDS
+    assert list(batch.num_draft_tokens) == [K, K]
+    for seq in (a, b):  # positions up to ROUNDS * (K + 1) - 1 past the newest token
+        assert len(seq.block_table) * BLOCK >= seq.num_tokens + ROUNDS * (K + 1) - 1
+    with pytest.raises(ValueError, match="drafts per row"):  # fewer than one token per round
+        scheduler.postprocess_steps(batch, [[1], [1, 2]])
+    # a: every draft of both rounds accepted; b: one token per round
+    scheduler.postprocess_steps(batch, [list(range(1, 9)), [1, 2]], None, [14, 8])
+    assert a.output_token_ids == [5, *range(1, 9)] and a.num_computed_tokens == 13
+    assert b.output_token_ids == [5, 1, 2] and b.num_draft_computed_tokens == 8
+    scheduler.block_manager.check_invariant([a, b])
+
+
+@pytest.mark.parametrize(
+    "case", ["a row near its end", "a row near max_model_len", "a waiting prompt", "no blocks"]
+)
+def test_decodes_run_one_round_when_some_row_cannot_run_them_all(case: str) -> None:
+    # 8 tokens + 7 positions of lookahead pass 14; drafts for both fit 7 blocks, rounds not
+    max_model_len = 14 if case == "a row near max_model_len" else 64
+    num_blocks = 7 if case == "no blocks" else 64
+    scheduler = make_rounds(num_blocks=num_blocks, max_model_len=max_model_len)
+    factory = SequenceFactory()
+    add(scheduler, factory, 5, max_tokens=20)
+    add(scheduler, factory, 7 if case == "a row near max_model_len" else 5,
+        max_tokens=ROUNDS if case == "a row near its end" else 20)  # fmt: skip
+    prefill(scheduler)
+    if case == "a waiting prompt":
+        add(scheduler, factory, 5, max_tokens=20)
+    batch = scheduler.schedule()
+    assert batch is not None and batch.num_steps == 1
+    if case != "a waiting prompt":
+        assert list(batch.num_draft_tokens) == [K, K if case != "a row near its end" else 0]

@@ -48,13 +48,14 @@ def make(
     draft: Path | str | None = None,
     k: int = 3,
     is_mimo: bool = False,
+    engine_options: dict[str, object] | None = None,
     **spec_options: object,
 ) -> LLM:
     """An engine on the GPU, after shutting down the ones made before (one memory manager per
     device at a time). ``draft``: a checkpoint, or "mtp" for the target's MTP layers."""
     while engines:
         engines.pop().shutdown()
-    options: dict[str, object] = dict(OPTIONS)
+    options: dict[str, object] = {**OPTIONS, **(engine_options or {})}
     if is_mimo or draft == "mtp":  # the tiny MiMo has 128 positions and no tokenizer
         options.update(skip_tokenizer_init=True, max_model_len=128)
     if draft == "mtp":
@@ -92,6 +93,10 @@ def graph_visible(llm: LLM) -> list[tuple[int, int]]:
     draft = worker.draft
     tensors += [*draft.model.parameters(), *(a.kv_cache for a in draft.model.attention_layers())]
     tensors += [] if draft.hidden_cache is None else [draft.hidden_cache]
+    rounds = worker._spec_step.rounds
+    if rounds is not None:  # the fused rounds' state and outputs, the passes' inputs
+        tensors += [*rounds.tensors(), *rounds.verifier.inputs.tensors()]
+        tensors += rounds.decoder.inputs.tensors()
     mtp = worker._spec_step.mtp
     if mtp is not None:  # MTP's static inputs and its graphs' outputs
         captured = [mtp.catch_up_graphs, *mtp.step_graphs.values()]
@@ -124,8 +129,12 @@ def test_lifecycle_level_2_with_speculation(engines, checkpoints) -> None:
     llm = make(engines, target, target, k=3)
     worker = llm.llm_engine.executor.worker
     assert worker.runner.graphs is not None  # the target's decode graphs were captured
+    rounds = worker._spec_step.rounds
+    assert rounds is not None and rounds.graphs  # greedy decodes replay the fused rounds
     addresses = graph_visible(llm)
     greedy = tokens(llm)
+    replays = rounds.num_replays
+    assert replays > 0
     assert acceptance(llm) == 1.0  # self-speculation, greedy: every draft
     seeded = tokens(llm, SEEDED)
     seeded_rate = acceptance(llm)  # argmax drafts of random rows: some
@@ -136,6 +145,7 @@ def test_lifecycle_level_2_with_speculation(engines, checkpoints) -> None:
     llm.wake_up(["kv_cache"])
     assert graph_visible(llm) == addresses
     assert tokens(llm) == greedy
+    assert rounds.num_replays > replays  # the same graphs, replayed after the cycle
     assert acceptance(llm) == 1.0
     assert tokens(llm, SEEDED) == seeded
     assert acceptance(llm) == seeded_rate
@@ -167,6 +177,29 @@ def test_mtp_lifecycle_level_2(engines, mimo) -> None:
     assert (tokens(llm, prompts=MIMO_PROMPTS), tokens(llm, SEEDED, MIMO_PROMPTS)) == before
     stats = llm.llm_engine.spec_decode_stats
     assert (stats.num_drafts, stats.num_accepted_tokens) == counts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_fused_rounds_equal_single_rounds_and_decoding_without_speculation(
+    engines, checkpoints, k: int
+) -> None:
+    """Greedy decodes in 4 rounds per replay of the fused graph (``worker/spec_rounds.py``):
+    the tokens and logprobs of one round per step (their own graphs), and of no speculation."""
+    target, other = checkpoints
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    reference = tokens(make(engines, target), params)
+    single = make(engines, target, other, k, engine_options={"cuda_graph_multi_steps": 1})
+    assert single.llm_engine.executor.worker._spec_step.rounds is None
+    single_outputs = single.generate(PROMPTS, params, use_tqdm=False)
+    llm = make(engines, target, other, k)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.llm_engine.executor.worker._spec_step.rounds.num_replays > 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    for ours, theirs in zip(outputs, single_outputs, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert set(a) == set(b)
+            assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-5)
 
 
 def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints) -> None:
