@@ -29,8 +29,8 @@ from dormant.layers.triton_logprobs import fused_logprobs
 from dormant.worker.logprobs import packed_width
 
 VOCAB = 151936
-SEGMENTS = (1024, 2048, 4096, 8192, 16384)
-WARPS = (2, 4, 8, 16)
+SEGMENTS = (2048, 4096, 8192, 16384)
+WARPS = (4, 8, 16)
 
 
 def kernel_seconds(run, repeats: int = 50) -> float:
