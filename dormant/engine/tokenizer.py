@@ -9,19 +9,27 @@ Which one an engine gets (``load_tokenizer``), never guessed for a real checkpoi
 | a checkpoint directory (``load_format`` auto) | its HF tokenizer; missing files raise        |
 | a random model (``ModelConfig``, or "dummy") | the directory's HF tokenizer if it has one, |
 |                                              | else ``ByteTokenizer``                      |
+
+Each tokenizer's ``incremental_decoder`` (an output's text as its tokens arrive) is one of
+``incremental_decoding.py``'s decoders.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from dormant.engine.incremental_decoding import (
+    NUM_BYTE_IDS,
+    ByteDecoder,
+    FullDecodeDiff,
+    IncrementalDecoder,
+    primed_stream_decoder,
+)
 from dormant.errors import EngineError
 
-_NUM_BYTE_IDS = 256
 # Any one of these in a model directory means it ships a tokenizer.
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -30,23 +38,13 @@ _TOKENIZER_FILES = (
     "vocab.json",
 )
 _GENERATION_CONFIG_FILE = "generation_config.json"
-# vLLM primes a stream with up to this many prompt tokens, the fewest (at least 4) that
-# decode without a replacement character, so the first output token gets its leading space.
-_MIN_PRIMING_TOKENS, _MAX_PRIMING_TOKENS = 4, 24
-_REPLACEMENT_CHARACTER = "\ufffd"
 # Each byte id's own text, as ``ByteTokenizer.decode([id])`` makes it (a lone byte past ASCII
 # is invalid UTF-8: the replacement character).
-_BYTE_TEXTS = tuple(bytes([b]).decode("utf-8", errors="replace") for b in range(_NUM_BYTE_IDS))
+_BYTE_TEXTS = tuple(bytes([b]).decode("utf-8", errors="replace") for b in range(NUM_BYTE_IDS))
 
 
 class TokenizerError(EngineError, ValueError):
     """A tokenizer cannot be loaded, or does not fit the model's vocabulary."""
-
-
-class IncrementalDecoder(Protocol):
-    """Text of one output, token by token: ``step`` returns the new text (maybe "")."""
-
-    def step(self, token_id: int) -> str: ...
 
 
 @runtime_checkable
@@ -89,9 +87,9 @@ class ByteTokenizer:
     tokens, or ids a model with a larger vocabulary sampled) and replaces invalid UTF-8.
     """
 
-    bos_token_id: int = _NUM_BYTE_IDS
-    eos_token_id: int = _NUM_BYTE_IDS + 1
-    vocab_size: int = _NUM_BYTE_IDS + 2
+    bos_token_id: int = NUM_BYTE_IDS
+    eos_token_id: int = NUM_BYTE_IDS + 1
+    vocab_size: int = NUM_BYTE_IDS + 2
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -101,17 +99,17 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        data = bytes(t for t in token_ids if 0 <= t < _NUM_BYTE_IDS)
+        data = bytes(t for t in token_ids if 0 <= t < NUM_BYTE_IDS)
         return data.decode("utf-8", errors="replace")
 
     def decode_each(self, token_ids: Sequence[int]) -> list[str]:
         texts = _BYTE_TEXTS
-        return [texts[t] if 0 <= t < _NUM_BYTE_IDS else "" for t in token_ids]
+        return [texts[t] if 0 <= t < NUM_BYTE_IDS else "" for t in token_ids]
 
     def incremental_decoder(
         self, prompt_token_ids: Sequence[int], skip_special_tokens: bool
     ) -> IncrementalDecoder:
-        return _ByteDecoder()
+        return ByteDecoder()
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         raise TokenizerError(
@@ -180,17 +178,8 @@ class HFTokenizer:
     ) -> IncrementalDecoder:
         backend = getattr(self._tokenizer, "_tokenizer", None)  # a fast tokenizer's own
         if backend is None:
-            return _FullDecodeDiff(self, skip_special_tokens)
-        from tokenizers.decoders import DecodeStream
-
-        prefix = list(prompt_token_ids[-_MIN_PRIMING_TOKENS:])
-        for length in range(_MIN_PRIMING_TOKENS, min(len(prompt_token_ids), _MAX_PRIMING_TOKENS)):
-            suffix = list(prompt_token_ids[-length:])
-            if _REPLACEMENT_CHARACTER not in backend.decode(suffix):
-                prefix = suffix
-                break
-        stream = DecodeStream(ids=prefix, skip_special_tokens=skip_special_tokens)
-        return _StreamDecoder(stream, backend)
+            return FullDecodeDiff(self, skip_special_tokens)
+        return primed_stream_decoder(backend, prompt_token_ids, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
@@ -201,46 +190,6 @@ class HFTokenizer:
             messages, add_generation_prompt=True, tokenize=True
         )
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-
-
-class _ByteDecoder:
-    """UTF-8 bytes as they arrive; a character split over tokens appears with its last byte."""
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def step(self, token_id: int) -> str:
-        if not 0 <= token_id < _NUM_BYTE_IDS:
-            return ""
-        return self._decoder.decode(bytes([token_id]))
-
-
-class _StreamDecoder:
-    """``tokenizers``' ``DecodeStream``: None (an unfinished character) becomes ""."""
-
-    def __init__(self, stream: Any, backend: Any) -> None:
-        self._stream, self._backend = stream, backend
-
-    def step(self, token_id: int) -> str:
-        return self._stream.step(self._backend, token_id) or ""
-
-
-class _FullDecodeDiff:
-    """For slow tokenizers (no ``DecodeStream``): decodes the whole output each step and
-    returns what grew, holding back a trailing replacement character."""
-
-    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool) -> None:
-        self._tokenizer, self._skip = tokenizer, skip_special_tokens
-        self._token_ids: list[int] = []
-        self._num_chars = 0
-
-    def step(self, token_id: int) -> str:
-        self._token_ids.append(token_id)
-        text = self._tokenizer.decode(self._token_ids, skip_special_tokens=self._skip)
-        if text.endswith(_REPLACEMENT_CHARACTER):
-            return ""
-        new, self._num_chars = text[self._num_chars :], len(text)
-        return new
 
 
 def has_tokenizer_files(model_dir: str) -> bool:
