@@ -13,7 +13,8 @@ which the workers fill from the leader's after the step's forward (``StepInput.b
 Invariant (checked by ``check_invariant``; the table is in ``block_invariant.py``): every block
 id in ``0 .. num_blocks-1`` is exactly one of free, evictable (hashed, held by nobody) or held
 (listed once in the ``block_table`` of each of its holders). Taking a block prefers the free
-list, then evicts the least recently freed cached block.
+list, then evicts the least recently freed cached block. Its typed errors are in
+``block_errors.py`` (importable from here too).
 """
 
 from __future__ import annotations
@@ -22,26 +23,15 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 
+from dormant.engine.block_errors import (
+    AlreadyAllocatedError,
+    BlockManagerError,
+    BlockOwnershipError,
+    OutOfBlocksError,
+)
 from dormant.engine.block_invariant import invariant_violation
 from dormant.engine.prefix_cache import PrefixCache, PrefixCacheStats, extend_block_hashes
 from dormant.engine.sequence import Sequence
-from dormant.errors import EngineError
-
-
-class BlockManagerError(EngineError):
-    """Base class for misuse of the block manager."""
-
-
-class OutOfBlocksError(BlockManagerError):
-    """Not enough free blocks; check ``can_allocate`` / ``can_append`` first."""
-
-
-class AlreadyAllocatedError(BlockManagerError):
-    """``allocate`` was called for a sequence that already holds blocks."""
-
-
-class BlockOwnershipError(BlockManagerError):
-    """A block table names blocks this manager did not give to that sequence."""
 
 
 class BlockManager:
