@@ -14,9 +14,7 @@ request ``request_tracker.RequestTracker``.
 
 A refit (``update_weights``, ``reload_weights``, ...) never mixes weight versions in one
 completion: by ``refit_policy`` it waits for the running requests to finish (``"wait"``, the
-default) or aborts them (``"abort"``). A request that is paused or kept asleep with tokens
-already generated cannot be drained, so a refit aborts it in both policies; kept requests with
-no output yet simply run on the new weights.
+default) or aborts them (``"abort"``); ``refit_policy.py`` says which requests each aborts.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
+from dormant.engine.refit_policy import REFIT_POLICIES, check_refit_policy, refit_between_steps
 from dormant.engine.request_stream import (
     Prompt,
     check_vllm_request_options,
@@ -46,7 +45,6 @@ from dormant.engine.request_tracker import Listener, RequestCounts, RequestTrack
 
 __all__ = ["REFIT_POLICIES", "AsyncLLM", "Listener", "Prompt", "RequestCounts", "RequestOutputKind"]
 
-REFIT_POLICIES = ("wait", "abort")
 _DRAIN_POLL_S = 0.01
 
 
@@ -57,8 +55,7 @@ class AsyncLLM:
     def __init__(
         self, model: str | Path | Any, *, refit_policy: str = "wait", **options: Any
     ) -> None:
-        if refit_policy not in REFIT_POLICIES:
-            raise ValueError(f"refit_policy must be one of {REFIT_POLICIES}, got {refit_policy!r}")
+        check_refit_policy(refit_policy, "refit_policy")
         self.refit_policy = refit_policy
         self.llm = model if isinstance(model, LLM) else LLM(model, **options)
         self.engine: LLMEngine = self.llm.llm_engine
@@ -229,18 +226,9 @@ class AsyncLLM:
         mix versions: ``policy`` (default ``refit_policy``) ``"wait"`` drains the running
         requests first, ``"abort"`` aborts them. Sets ``weight_version`` when given."""
         policy = policy or self.refit_policy
-        if policy not in REFIT_POLICIES:
-            raise ValueError(f"refit policy must be one of {REFIT_POLICIES}, got {policy!r}")
-
-        def apply() -> Any:
-            requests = self._requests
-            requests.abort_engine_ids(requests.ids_with_tokens() if policy == "wait" else None)
-            result = write()
-            if weight_version is not None:
-                self.engine.refits.weight_version = weight_version
-            return result
-
-        return await self._engine_loop.settled(policy, apply)
+        return await refit_between_steps(
+            self._engine_loop, self._requests, self.engine, write, policy, weight_version
+        )
 
     # ── state, for servers and metrics ───────────────────────────────────────────────────────
 
