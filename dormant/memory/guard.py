@@ -45,6 +45,10 @@ class PointerGuard:
         if self._entries.pop(name, None) is None:
             raise KeyError(f"no pointer guard named {name!r}; guards: {sorted(self._entries)}")
 
+    def clear(self) -> None:
+        """Forgets every guard, and with them what their sources hold (a closed manager's)."""
+        self._entries.clear()
+
     def verify(self) -> None:
         """Raises PointerGuardError naming every tensor whose address changed."""
         problems = []

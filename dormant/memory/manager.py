@@ -292,6 +292,7 @@ class MemoryManager:
             if self._front.is_closed:
                 return
             self._front.is_closed = True
+            self._guard.clear()  # their sources hold the engine's tensors (its model, its KV)
             if self._table.is_empty:
                 self.arena.release()
         self._tag_pools.release()  # pools die (and free through raw_free) once unused

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -194,6 +196,28 @@ def test_shutdown_returns_the_memory(make_llm, checkpoint) -> None:
     llm.shutdown()
     free_after, _ = backend.memory_info()
     assert free_after - free_before >= 4 << 20  # at least the KV cache came back
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_shutdown_frees_the_weights_while_the_llm_object_lives(
+    make_llm, checkpoint, speculative: bool
+) -> None:
+    """Regression: the memory manager's pointer guards kept their sources after shutdown, and
+    those closures hold the model (and a draft's), so the weights lived on with the ``LLM``
+    object. A loop that makes its next engine before dropping the last (``llm = LLM(...)``)
+    found a model's worth less memory per engine (benchmarks/spec_decode.py on the H200:
+    no room for a KV block by the fourth engine)."""
+    spec = {"model": str(checkpoint), "num_speculative_tokens": 2} if speculative else None
+    llm = make_llm(str(checkpoint), speculative_config=spec)
+    worker = worker_of(llm)
+    tensors = [next(worker.model.parameters()), worker.model.attention_layers()[0].kv_cache]
+    if speculative:
+        tensors.append(next(worker.draft.model.parameters()))
+    refs = [weakref.ref(t) for t in tensors]
+    del worker, tensors
+    llm.shutdown()
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * len(refs)
 
 
 def test_kv_cache_tag_holds_only_the_backing(make_llm, checkpoint) -> None:
