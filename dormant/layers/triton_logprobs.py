@@ -34,8 +34,9 @@ _KEY_FLOOR: tl.constexpr = tl.constexpr(-(2**31))  # below every value's key, -i
 
 @triton.jit
 def _segment_stats_kernel(
-    x_ptr, tokens_ptr, max_ptr, sum_ptr, count_ptr, top_key_ptr, top_id_ptr,
+    x_ptr, tokens_ptr, max_ptr, sum_ptr, count_ptr, top_key_ptr, top_id_ptr, live_top_ptr,
     vocab, stride_row, num_segments, SEGMENT: tl.constexpr, NUM_TOP: tl.constexpr,
+    HAS_LIVE_TOP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     segment = tl.program_id(1)
@@ -52,14 +53,21 @@ def _segment_stats_kernel(
     tl.store(sum_ptr + out, tl.sum(tl.exp(x - safe_max), axis=0))
     tl.store(count_ptr + out, tl.sum((x > token_value).to(tl.int32), axis=0))
     if NUM_TOP > 0:
+        live = NUM_TOP
+        if HAS_LIVE_TOP:  # a graph's batch asks for fewer: the rest are below every candidate
+            live = tl.load(live_top_ptr)
         bits = x.to(tl.int32, bitcast=True)
         keys = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         keys = tl.where(is_column, keys, _KEY_FLOOR)
         for i in tl.static_range(NUM_TOP):
-            best = tl.argmax(keys, axis=0)
-            tl.store(top_key_ptr + out * NUM_TOP + i, tl.max(keys, axis=0))
-            tl.store(top_id_ptr + out * NUM_TOP + i, segment * SEGMENT + best)
-            keys = tl.where(offsets == best, _KEY_FLOOR, keys)
+            if i < live:
+                best = tl.argmax(keys, axis=0)
+                tl.store(top_key_ptr + out * NUM_TOP + i, tl.max(keys, axis=0))
+                tl.store(top_id_ptr + out * NUM_TOP + i, segment * SEGMENT + best)
+                keys = tl.where(offsets == best, _KEY_FLOOR, keys)
+            else:
+                tl.store(top_key_ptr + out * NUM_TOP + i, _KEY_FLOOR)
+                tl.store(top_id_ptr + out * NUM_TOP + i, 0)
 
 
 @triton.jit
@@ -93,13 +101,17 @@ def fused_logprobs(
     *,
     segment: int = _SEGMENT,
     num_warps: int = 8,
+    live_top: torch.Tensor | None = None,
 ) -> None:
     """Fills ``packed`` (int32 [n, 3 + 2 * num_top], ``gather_logprobs``'s layout) with the
     logprobs of ``logits`` (float32 [n, V], unit stride in V) for ``token_ids`` (int [n]):
     each token, its rank and logprob, then the ``num_top`` best tokens and their logprobs.
     Preconditions: ``num_top <= min(MAX_FUSED_TOP, V)``. Never synchronizes with the host.
     ``segment`` (a power of two) and ``num_warps`` shape the first kernel's programs
-    (``benchmarks/logprobs_kernel.py`` sweeps them)."""
+    (``benchmarks/logprobs_kernel.py`` sweeps them). ``live_top`` (int32 [1] on the device, at
+    most ``num_top``): only that many top tokens are computed, read at run time, so a graph
+    captured for ``num_top`` pays for what its batch asks; the rest of the top columns are
+    then undefined."""
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
@@ -114,7 +126,8 @@ def fused_logprobs(
     tokens = token_ids.reshape(-1)
     _segment_stats_kernel[(num_rows, num_segments)](
         logits, tokens, stats[0], stats[1], counts, candidates[0], candidates[1],
-        vocab, logits.stride(0), num_segments, SEGMENT=segment, NUM_TOP=num_top,
+        tokens if live_top is None else live_top, vocab, logits.stride(0), num_segments,
+        SEGMENT=segment, NUM_TOP=num_top, HAS_LIVE_TOP=live_top is not None,
         num_warps=num_warps,
     )  # fmt: skip
     _combine_kernel[(num_rows,)](

@@ -87,9 +87,15 @@ class DecodeGraphs:
         self.full: dict[int, CapturedGraph] = {}
         self.multi_step: dict[int, CapturedGraph] = {}
         self.sampling: GraphSampling | None = None
+        # The top logprobs a multi-step replay computes, of the num_top_logprobs it carries:
+        # the most its batch asks for (``load_multi_step``), read by the kernel at run time
+        self.live_top: torch.Tensor | None = None
+        self._live_top = num_top_logprobs
         if num_steps > 1:
             vocab_size = model.config.vocab_size
             self.sampling = GraphSampling(mm, self.batch_sizes[-1], num_steps, vocab_size)
+            (self.live_top,) = mm.empty_many([((1,), torch.int32)], RUNTIME)
+            self.live_top.fill_(num_top_logprobs)
 
     def padded_size(self, num_seqs: int) -> int | None:
         return next((bs for bs in self.batch_sizes if bs >= num_seqs), None)
@@ -97,10 +103,17 @@ class DecodeGraphs:
     def load_multi_step(self, step: StepInput, bs: int) -> None:
         """Writes what a replay of the ``bs``-row multi-step graph reads for ``step`` (a
         decode batch of at most ``bs`` rows, each ``graph_sampling.is_unfiltered``): the
-        step's input buffers and every step's sampling rows, padded to ``bs``."""
-        assert self.sampling is not None, "no multi-step graphs: num_steps is 1"
+        step's input buffers, every step's sampling rows, padded to ``bs``, and the top
+        logprobs its rows ask for (at most ``num_top_logprobs``: ``fits_multi_step_graph``)."""
+        assert self.sampling is not None and self.live_top is not None, "num_steps is 1"
         self.inputs.load(step, pad_to=bs)
         self.sampling.load(step.seqs, bs)
+        asked = {int(s.params.logprobs) for s in step.seqs if s.params.logprobs is not None}
+        cap = self.num_top_logprobs
+        live = min(max((n if n >= 0 else cap for n in asked), default=0), cap)  # -1: all
+        if live != self._live_top:  # a fill only when it changes
+            self.live_top.fill_(live)
+            self._live_top = live
 
     def capture(self) -> None:
         """Warms up, then captures, every batch size, largest first (smaller graphs reuse the
@@ -189,7 +202,8 @@ class DecodeGraphs:
             token, processed = sample_and_process(logits, sampling, keep_processed)
             tokens[step].copy_(token)
             values = logits if processed is None else processed
-            logprobs[step].copy_(packed_logprobs(values, token, self.num_top_logprobs, mode))
+            packed = packed_logprobs(values, token, self.num_top_logprobs, mode, self.live_top)
+            logprobs[step].copy_(packed)
             if step + 1 == self.num_steps:
                 break
             ids.copy_(token)

@@ -58,14 +58,20 @@ def trim_top(packed: torch.Tensor, num_top: int) -> torch.Tensor:
 
 
 def packed_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, mode: LogprobsMode
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_top: int,
+    mode: LogprobsMode,
+    live_top: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``gather_logprobs`` of what the logprobs report for ``logits`` (float32 [n, V]): their
     log-softmax, or (``*_logits`` modes) the logits themselves. ``logits`` is not modified.
 
     On CUDA with Triton (and at most 32 top tokens) the log-softmax is never materialised: one
     fused read of the logits gives each row's log-normaliser, the token's logprob and rank, and
-    the top-k (``dormant.layers.triton_logprobs``).
+    the top-k (``dormant.layers.triton_logprobs``). There, ``live_top`` (a device int32 [1],
+    at most ``num_top``; a graph's, set per replay) limits the top tokens computed: columns past
+    it are undefined. Elsewhere all ``num_top`` are computed.
     """
     if mode.endswith("_logits"):
         return gather_logprobs(logits, token_ids, num_top)
@@ -76,7 +82,7 @@ def packed_logprobs(
     packed = torch.empty(
         (logits.shape[0], packed_width(num_top)), dtype=torch.int32, device=logits.device
     )
-    fused_logprobs(logits, token_ids, num_top, packed)
+    fused_logprobs(logits, token_ids, num_top, packed, live_top=live_top)
     return packed
 
 

@@ -94,8 +94,10 @@ class ModelRunner:
             config.cuda_graph_multi_steps if multi_steps is None else multi_steps,
             config.max_model_len, self.logprobs_mode, self.multi_step_top_logprobs,
         )  # fmt: skip
-        if self.graphs.sampling is not None:  # the multi-step graphs read them at these
+        live_top = self.graphs.live_top
+        if self.graphs.sampling is not None and live_top is not None:  # read at these by the
             self.mm.guard_addresses("decode_graphs.sampling", self.graphs.sampling.tensors)
+            self.mm.guard_addresses("decode_graphs.live_top", [live_top])  # multi-step graphs
         with torch.inference_mode():
             self.graphs.capture()
 
