@@ -129,5 +129,6 @@ class RowLogprobs(SequenceOf[TokenLogprobs]):
         """The first ``count`` steps' tokens, logprobs and ranks (each entry's first
         ``token_ids``, ``logprobs`` and ``ranks`` value), by list slicing in C."""
         block, row = self.block, self.row
-        entries = slice(row, row + min(count, len(self)) * block.num_rows, block.num_rows)
+        num_rows = block.num_rows
+        entries = slice(row, row + min(count, block.num_steps) * num_rows, num_rows)
         return block.token_ids[entries], block.logprobs[entries], block.ranks[entries]

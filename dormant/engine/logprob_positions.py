@@ -57,18 +57,22 @@ class LogprobPositions:
         """``sampled``'s positions of entries of which only the first token is reported
         (``logprobs=0``, or none carries top tokens), from their columns: each entry's token,
         logprob and rank. Raises ``RuntimeError`` as ``sampled`` does."""
-        text = self._text
-        positions: list[LogprobsOnePosition] = []
-        for token_id, entry_id, logprob, rank in zip(
-            token_ids, entry_ids, logprobs, ranks, strict=True
-        ):
-            if entry_id != token_id:
-                raise RuntimeError(
-                    f"request {request_id}: the worker's logprobs are for token "
-                    f"{entry_id} but token {token_id} was sampled"
-                )
-            positions.append({token_id: Logprob(logprob, rank, text(token_id))})
-        return positions
+        if entry_ids != token_ids:  # one comparison of the lists; the loop finds where
+            for token_id, entry_id in zip(token_ids, entry_ids, strict=True):
+                if entry_id != token_id:
+                    raise RuntimeError(
+                        f"request {request_id}: the worker's logprobs are for token "
+                        f"{entry_id} but token {token_id} was sampled"
+                    )
+        texts = self._texts
+        for token_id in token_ids:
+            if token_id not in texts:
+                self._text(token_id)  # memoizes it (without a tokenizer there is no text)
+        text = texts.get
+        return [
+            {token_id: Logprob(logprob, rank, text(token_id))}
+            for token_id, logprob, rank in zip(token_ids, logprobs, ranks, strict=True)
+        ]
 
     def prompt(
         self, num_logprobs: int | None, entries: SequenceOf[TokenLogprobs]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from dormant.core.packed_logprobs import RowLogprobs
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_output import SeqOutput, TokenLogprobs
-from dormant.engine.logprob_positions import LogprobPositions, as_count
+from dormant.engine.logprob_positions import LogprobPositions
 from dormant.engine.outputs import (
     CompletionOutput,
     LogprobsOnePosition,
@@ -200,7 +200,8 @@ class OutputProcessor:
         num = state.params.logprobs
         count = len(token_ids)
         values: list[float]
-        if isinstance(entries, RowLogprobs) and (as_count(num) == 0 or entries.block.num_top == 0):
+        # (An exact type test and num == 0, as_count(num) == 0: this runs once per row per step.)
+        if type(entries) is RowLogprobs and (num == 0 or entries.block.num_top == 0):
             # Only each entry's first token is reported: read from the packed columns, no
             # TokenLogprobs made (what LogprobPositions.sampled builds for these entries).
             entry_ids, values, ranks = entries.columns(count)

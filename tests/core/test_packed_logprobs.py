@@ -83,18 +83,22 @@ def test_seq_output_is_a_named_tuple_with_defaults() -> None:
     assert changed == SeqOutput((5,), None, None, 2) and out.num_draft_computed_tokens is None
 
 
-def test_sampled_first_is_sampled_of_first_tokens() -> None:
+@pytest.mark.parametrize("tokenizer", [ByteTokenizer(), None])
+def test_sampled_first_is_sampled_of_first_tokens(tokenizer: ByteTokenizer | None) -> None:
     rng = np.random.default_rng(3)
     packed = random_packed(rng, 6, 0)
+    packed[3, 0] = packed[1, 0]  # a repeated id: its memoized text
     row = PackedLogprobs(packed, 1).rows()[0]
-    positions = LogprobPositions(ByteTokenizer())
     tokens = [e.token_ids[0] for e in row]
-    assert positions.sampled_first(7, tokens, *row.columns(6)) == positions.sampled(
-        7, 0, tokens, tuple(row)
-    )
-    wrong = [tokens[0] + 1, *tokens[1:]]
+    first = LogprobPositions(tokenizer).sampled_first(7, tokens, *row.columns(6))
+    assert first == LogprobPositions(tokenizer).sampled(7, 0, tokens, tuple(row))
+    assert all(next(iter(p.values())).decoded_token is None for p in first) == (tokenizer is None)
+    positions = LogprobPositions(tokenizer)
+    wrong = [*tokens[:2], tokens[2] + 1, *tokens[3:]]
     with pytest.raises(RuntimeError, match="request 7: the worker's logprobs are for token"):
         positions.sampled_first(7, wrong, *row.columns(6))
+    with pytest.raises(ValueError):  # fewer entries than tokens, as sampled's strict zip
+        positions.sampled_first(7, [*tokens, 5], *row.columns(6))
 
 
 @pytest.mark.parametrize("num_logprobs", [0, 2])
