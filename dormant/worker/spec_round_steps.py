@@ -1,6 +1,7 @@
 """``M`` speculative rounds as ``M`` single speculative steps, each round's tokens fed back: what
 the fused rounds' graph computes (``spec_rounds.py``), for batches it does not fit (random rows,
-MTP, a draft that trails, the CPU without graphs), with the same results.
+a draft that trails: MTP's first decode after a prompt, the CPU without graphs), with the same
+results.
 """
 
 from __future__ import annotations

@@ -52,11 +52,13 @@ from dormant.worker.logprobs import HostCopy, packed_logprobs
 from dormant.worker.model_runner import ModelRunner, _max_logprobs
 from dormant.worker.mtp_decoder import MTPDecoder
 from dormant.worker.mtp_draft import MTPDraftModel
+from dormant.worker.mtp_rounds import MTPRoundDrafts
 from dormant.worker.rejection_sampler import verify
 from dormant.worker.sampler import SamplingTensors, processed_logits
 from dormant.worker.spec_drafter import Drafter
 from dormant.worker.spec_inputs import SpecLayout, SpecViews
 from dormant.worker.spec_outputs import read_outputs, with_draft_computed
+from dormant.worker.spec_round_drafts import ModelRoundDrafts, RoundDrafts
 from dormant.worker.spec_round_steps import run_rounds_singly
 from dormant.worker.spec_rounds import SpecRounds
 from dormant.worker.target_verifier import TargetVerifier
@@ -92,12 +94,19 @@ class SpecStep:
             runner.model, runner.mm, runner.config, null_block, spec.num_speculative_tokens,
             draft.hidden_cache,
         )  # fmt: skip
-        # A draft model's fused rounds (``cuda_graph_multi_steps`` per replay, greedy batches)
+        # The fused rounds (``cuda_graph_multi_steps`` per replay, greedy batches), over the
+        # draft model's passes or MTP's
         self.num_rounds = runner.config.cuda_graph_multi_steps
         self.rounds: SpecRounds | None = None
-        if self.decoder is not None and self.num_rounds > 1:
+        if self.num_rounds > 1:
+            round_drafts: RoundDrafts
+            if self.decoder is not None:
+                round_drafts = ModelRoundDrafts(self.decoder, spec.num_speculative_tokens)
+            else:
+                assert self.mtp is not None
+                round_drafts = MTPRoundDrafts(self.mtp, runner.mm)
             self.rounds = SpecRounds(
-                self.decoder, self.verifier, runner.mm, self.num_rounds, runner.logprobs_mode,
+                round_drafts, self.verifier, runner.mm, self.num_rounds, runner.logprobs_mode,
                 runner.multi_step_top_logprobs,
             )  # fmt: skip
 

@@ -33,7 +33,7 @@ def eager_rounds(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         max_rows = init_kv_cache(self, num_blocks)
         spec = self._spec_step
         if spec is None or spec.rounds is None:
-            return max_rows  # an engine without speculation, or with MTP
+            return max_rows  # an engine without speculation
         capture_rounds_eagerly(spec.rounds, [1, 2, 4, 8])
         return spec.max_rounds_rows
 
