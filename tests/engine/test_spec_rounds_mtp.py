@@ -38,13 +38,11 @@ PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 50, 42], [7, 7, 7], 
 LOGPROBS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def mimo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_repeating_mimo(path: Path) -> Path:
     """A tiny MiMo whose MTP layer mostly repeats its input token (a strong identity on the
     token half of its input projection, tied embeddings, the layer's other weights random): the
     target's greedy output has runs of one token, so rounds accept 0 .. k drafts and every
     catch-up length from 1 to k + 1 occurs."""
-    path = tmp_path_factory.mktemp("mimo_rounds")
     _, tensors = save_tiny_mimo(path, num_mtp_layers=1, tie_word_embeddings=True)
     prefix = "model.mtp_layers.0."
     projection = tensors[prefix + "input_proj.weight"]
@@ -54,6 +52,11 @@ def mimo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tensors[prefix + leaf] = torch.ones_like(tensors[prefix + leaf])
     save_file(tensors, path / "model.safetensors")
     return path
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_repeating_mimo(tmp_path_factory.mktemp("mimo_rounds"))
 
 
 @pytest.fixture

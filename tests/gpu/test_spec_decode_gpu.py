@@ -1,10 +1,11 @@
 """Speculative decoding on the GPU (issue 19): greedy output identical to decoding without it
 (k = 1, 3, 5; self-speculation, an unrelated draft, MTP layers; MTP's passes from graphs equal
-the eager ones across a level-2 cycle), and the seed's lifecycle with
-speculation on, CUDA graphs captured for the target's decodes: record the graph-visible
-addresses (the target's and the draft's), generate, ``sleep(2)``, ``wake_up(["weights"])``,
-``collective_rpc("reload_weights")``, ``wake_up(["kv_cache"])``, generate again: tokens
-identical, addresses unchanged, acceptance rate unchanged (100 % for self-speculation)."""
+the eager ones across a level-2 cycle; the fused rounds, a draft model's and MTP's, equal one
+round per step), and the seed's lifecycle with speculation on, CUDA graphs captured for the
+target's decodes: record the graph-visible addresses (the target's and the draft's), generate,
+``sleep(2)``, ``wake_up(["weights"])``, ``collective_rpc("reload_weights")``,
+``wake_up(["kv_cache"])``, generate again: tokens identical, addresses unchanged, acceptance
+rate unchanged (100 % for self-speculation)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from dormant import LLM, SamplingParams
 from dormant.engine.spec_stats import SpecDecodeStats
 from tests.engine.conftest import PROMPTS, write_checkpoint
+from tests.engine.test_spec_rounds_mtp import save_repeating_mimo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from tiny_mimo import save_tiny_mimo
@@ -93,10 +95,11 @@ def graph_visible(llm: LLM) -> list[tuple[int, int]]:
     draft = worker.draft
     tensors += [*draft.model.parameters(), *(a.kv_cache for a in draft.model.attention_layers())]
     tensors += [] if draft.hidden_cache is None else [draft.hidden_cache]
-    rounds = worker._spec_step.rounds
+    rounds, decoder = worker._spec_step.rounds, worker._spec_step.decoder
     if rounds is not None:  # the fused rounds' state and outputs, the passes' inputs
         tensors += [*rounds.tensors(), *rounds.verifier.inputs.tensors()]
-        tensors += rounds.decoder.inputs.tensors()
+    if decoder is not None:
+        tensors += decoder.inputs.tensors()
     mtp = worker._spec_step.mtp
     if mtp is not None:  # MTP's static inputs and its graphs' outputs
         captured = [mtp.catch_up_graphs, *mtp.step_graphs.values()]
@@ -163,6 +166,8 @@ def test_mtp_greedy_identical(engines, mimo, k: int) -> None:
 
 def test_mtp_lifecycle_level_2(engines, mimo) -> None:
     llm = make(engines, mimo, "mtp", k=3)
+    rounds = llm.llm_engine.executor.worker._spec_step.rounds
+    assert rounds is not None and rounds.graphs  # greedy MTP decodes replay the fused rounds
     addresses = graph_visible(llm)
     before = tokens(llm, prompts=MIMO_PROMPTS), tokens(llm, SEEDED, MIMO_PROMPTS)
     stats = llm.llm_engine.spec_decode_stats
@@ -174,7 +179,10 @@ def test_mtp_lifecycle_level_2(engines, mimo) -> None:
     llm.collective_rpc("reload_weights")
     llm.wake_up(["kv_cache"])
     assert graph_visible(llm) == addresses
+    replays = rounds.num_replays
+    assert replays > 0
     assert (tokens(llm, prompts=MIMO_PROMPTS), tokens(llm, SEEDED, MIMO_PROMPTS)) == before
+    assert rounds.num_replays == 2 * replays  # the same graphs, replayed after the cycle
     stats = llm.llm_engine.spec_decode_stats
     assert (stats.num_drafts, stats.num_accepted_tokens) == counts
 
@@ -215,14 +223,15 @@ def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints)
 
 def test_mtp_passes_replay_graphs_and_match_eager_across_a_level_2_cycle(engines, mimo) -> None:
     """An all-decode MTP step drafts from graphs (the catch-up and each chained pass,
-    ``worker/mtp_decoder.py``): greedy tokens equal the eager MTP step's and decoding without
-    speculation, the replay counter grows, and after sleep(2) + reload the same graphs replay
-    at the same addresses with the same tokens and draft counts."""
+    ``worker/mtp_decoder.py``; one round per step, so no fused rounds): greedy tokens equal the
+    eager MTP step's and decoding without speculation, the replay counter grows, and after
+    sleep(2) + reload the same graphs replay at the same addresses with the same tokens and
+    draft counts."""
     reference = tokens(make(engines, mimo, is_mimo=True), prompts=MIMO_PROMPTS)
     eager = make(engines, mimo, "mtp", k=3, enforce_eager=True)
     assert tokens(eager, prompts=MIMO_PROMPTS) == reference
     assert eager.llm_engine.executor.worker._spec_step.mtp.num_graph_replays == 0
-    llm = make(engines, mimo, "mtp", k=3)
+    llm = make(engines, mimo, "mtp", k=3, engine_options={"cuda_graph_multi_steps": 1})
     mtp = llm.llm_engine.executor.worker._spec_step.mtp
     assert mtp.catch_up_graphs and mtp.step_graphs[0]  # MiMo's one layer drafts d_2, d_3
     addresses = graph_visible(llm)
@@ -241,4 +250,33 @@ def test_mtp_passes_replay_graphs_and_match_eager_across_a_level_2_cycle(engines
     assert mtp.num_graph_replays == 2 * replays  # the same steps replayed the same graphs
     stats = llm.llm_engine.spec_decode_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == counts
+    llm.llm_engine.executor.worker.mm.verify_guards()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_fused_rounds_equal_one_round_and_no_speculation(engines, tmp_path, k: int) -> None:
+    """Greedy MTP decodes in 4 rounds per replay of the fused graph (``worker/mtp_rounds.py``),
+    with a MiMo whose MTP layer accepts 0 .. k drafts per round: the tokens and logprobs of MTP
+    one round per step (its own graphs) and of no speculation."""
+    mimo = save_repeating_mimo(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = [*MIMO_PROMPTS, {"prompt_token_ids": list(range(10, 40))}]
+    reference = tokens(make(engines, mimo, is_mimo=True), params, prompts)
+    single = make(engines, mimo, "mtp", k, engine_options={"cuda_graph_multi_steps": 1})
+    assert single.llm_engine.executor.worker._spec_step.rounds is None
+    single_outputs = single.generate(prompts, params, use_tqdm=False)
+    llm = make(engines, mimo, "mtp", k)
+    rounds = llm.llm_engine.executor.worker._spec_step.rounds
+    assert rounds is not None and rounds.graphs
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert rounds.num_replays >= 2
+    assert int(rounds.live_top) == 2
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    for ours, theirs in zip(outputs, single_outputs, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
+            assert set(a) == set(b)
+            assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-4)
+    stats = llm.llm_engine.spec_decode_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     llm.llm_engine.executor.worker.mm.verify_guards()
