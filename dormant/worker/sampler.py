@@ -43,12 +43,8 @@ _SEED_ROW, _STEP_ROW, _GREEDY_ROW = range(3)
 _KEY_ROWS = slice(3, 5)
 _FLOAT_ROWS = slice(5, 7)
 _NUM_PACKED_ROWS = 7
-_PARAMS, _SEED, _NUM_OUTPUT_TOKENS = (
-    attrgetter("params"),
-    attrgetter("seed"),
-    attrgetter("num_output_tokens"),
-)
-_TEMPERATURE, _TOP_P, _MIN_P = attrgetter("temperature"), attrgetter("top_p"), attrgetter("min_p")
+_PARAMS, _SEED, _NUM_OUTPUT_TOKENS = map(attrgetter, ("params", "seed", "num_output_tokens"))
+_TEMPERATURE, _TOP_P, _MIN_P = map(attrgetter, ("temperature", "top_p", "min_p"))
 
 
 @dataclass(frozen=True, slots=True)

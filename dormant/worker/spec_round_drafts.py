@@ -91,7 +91,7 @@ class ModelRoundDrafts:
         return []
 
     def load(self, views: list[torch.Tensor], num_rows: int) -> None:
-        pass
+        """Nothing to load: a draft model keeps no state between rounds."""
 
     def pad(self, start: int, bs: int) -> None:
         """Its passes' query starts: one token per row, ``bs`` rows."""

@@ -162,12 +162,10 @@ class SpecStep:
         """
         if step.is_prefill or step.has_forks:
             raise ValueError("speculative rounds run decode batches (no prefill, no fork rows)")
-        rounds, runner = self.rounds, self.runner
-        max_len = runner.config.max_model_len
-        if (
-            rounds is not None
-            and not runner.is_logits_patched
-            and rounds.fits(step.seqs, runner.logprobs_mode, max_len)
+        runner = self.runner
+        rounds = None if runner.is_logits_patched else self.rounds  # the graph, where it fits
+        if rounds is not None and rounds.fits(
+            step.seqs, runner.logprobs_mode, runner.config.max_model_len
         ):
             return rounds.run(step)
         return run_rounds_singly(self.execute, step, self.num_rounds)

@@ -208,10 +208,10 @@ class Worker:
                 spec_step.capture_graphs()
         if self.config.enable_sleep_mode and self.config.prepare_sleep_arena:
             self.mm.prepare_arena(level=1)  # in the background: the first sleep then only copies
-        if spec_step is not None:
-            return spec_step.max_rounds_rows
         graphs = self.runner.graphs
-        return max(graphs.multi_step, default=0) if graphs is not None else 0
+        if spec_step is not None or graphs is None:
+            return 0 if spec_step is None else spec_step.max_rounds_rows
+        return max(graphs.multi_step, default=0)
 
     def execute_multi_step(self, step: StepInput) -> StepOutput:
         """``cuda_graph_multi_steps`` decode steps, or speculative rounds, in one call."""
@@ -270,10 +270,9 @@ class Worker:
         """Drops the model, KV cache and runner so their memory returns now, then closes the
         memory manager (the device can host another engine afterwards)."""
         self.mm.context.restore()  # the frees below need the device
-        draft_model = None if self.draft is None else self.draft.model
-        for owner in (self._model, draft_model):
-            for layer in owner.attention_layers() if owner is not None else ():
-                layer.kv_cache = None
+        owners = (self._model, None if self.draft is None else self.draft.model)
+        for layer in (layer for o in owners if o is not None for layer in o.attention_layers()):
+            layer.kv_cache = None
         self._model, self._runner, self.draft, self._spec_step = None, None, None, None
         self.refitter.groups.destroy_all()
         gc.collect()

@@ -107,6 +107,16 @@ def graph_visible(llm: LLM) -> list[tuple[int, int]]:
     return [(id(t), t.data_ptr()) for t in tensors]
 
 
+def assert_same_outputs(ours: list, theirs: list, tolerance: float) -> None:
+    """The same tokens, and at each the same top tokens with logprobs within ``tolerance``."""
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert set(x) == set(y)
+            expected = pytest.approx([y[t].logprob for t in x], abs=tolerance)
+            assert [x[t].logprob for t in x] == expected
+
+
 def acceptance(llm: LLM) -> float | None:
     stats = llm.llm_engine.spec_decode_stats
     assert stats is not None
@@ -203,11 +213,7 @@ def test_fused_rounds_equal_single_rounds_and_decoding_without_speculation(
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert llm.llm_engine.executor.worker._spec_step.rounds.num_replays > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    for ours, theirs in zip(outputs, single_outputs, strict=True):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
-            assert set(a) == set(b)
-            assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-5)
+    assert_same_outputs(outputs, single_outputs, tolerance=1e-5)
 
 
 def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints) -> None:
@@ -272,11 +278,7 @@ def test_mtp_fused_rounds_equal_one_round_and_no_speculation(engines, tmp_path, 
     assert rounds.num_replays >= 2
     assert int(rounds.live_top) == 2
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    for ours, theirs in zip(outputs, single_outputs, strict=True):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True):
-            assert set(a) == set(b)
-            assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in a], abs=1e-4)
+    assert_same_outputs(outputs, single_outputs, tolerance=1e-4)
     stats = llm.llm_engine.spec_decode_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     llm.llm_engine.executor.worker.mm.verify_guards()
