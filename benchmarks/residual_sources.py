@@ -1,0 +1,170 @@
+"""What the residual's "kernels loaded" rows are made of (issue 17, section 4): the device memory
+that loading code leaves in a fresh process, by source, each step measured in place.
+
+After ``torch.cuda.init`` the device's used bytes (``cudaMemGetInfo``) are the baseline. Each
+step then runs some work and reports how much the process's device memory grew beyond torch's
+own reserved bytes (so torch's caching allocator is not counted: what is left is the driver's:
+modules, handles, graph executables):
+
+- ``torch elementwise``: a few of torch's own kernels (fill, add, mul, copy, cast);
+- ``cublas first gemm``: one bf16 GEMM (the cuBLAS/cuBLASLt handles);
+- ``cublas decode shapes``: the 8B-like model's GEMM shapes at every decode batch bucket;
+- ``triton first kernel``: one Triton kernel; then ``triton N specializations``: the same
+  kernel compiled for N more (constexpr, divisibility) variants, each its own module, to find
+  the per-module cost;
+- ``graph capture``: a CUDA graph of the GEMMs above, instantiated;
+- ``engine warm-up``: the residual benchmark's small Qwen3 with FULL and 4-step graphs
+  (``benchmarks/residual.py``'s model), and how many Triton kernels it compiled.
+
+    python benchmarks/residual_sources.py [--out results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import MiB, Recorder, environment
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+GEMM_SHAPES = ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096))  # (K, N) of the 8B
+
+
+class Meter:
+    """The process's device memory beyond torch's reserved bytes, relative to the baseline."""
+
+    def __init__(self, rec: Recorder) -> None:
+        torch.cuda.init()
+        self.rec = rec
+        self.baseline = self._driver_bytes()
+        self.last = 0
+
+    def _driver_bytes(self) -> int:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free - torch.cuda.memory_reserved()
+
+    def step(self, name: str, **extra: Any) -> None:
+        grown = self._driver_bytes() - self.baseline
+        self.rec.emit(
+            case="step", step=name, grown_MiB=(grown - self.last) / MiB,
+            total_MiB=grown / MiB, torch_reserved_MiB=torch.cuda.memory_reserved() / MiB, **extra,
+        )  # fmt: skip
+        self.last = grown
+
+
+_KERNEL: Any = None
+
+
+def triton_variants(count: int) -> int:
+    """Runs one trivial Triton kernel in its first ``count`` variants (each a module of its own,
+    compiled once: later calls add only the new ones); returns ``count``."""
+    global _KERNEL
+    import triton
+    import triton.language as tl
+
+    if _KERNEL is None:
+
+        @triton.jit
+        def _add(x_ptr, n, BLOCK: tl.constexpr, VALUE: tl.constexpr):
+            offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + VALUE, mask=mask)
+
+        _KERNEL = _add
+    x = torch.ones(1 << 16, device="cuda")
+    for index in range(count):
+        _KERNEL[(4,)](x, x.numel(), BLOCK=64 << (index % 4), VALUE=index // 4)
+    return count
+
+
+def engine_warm_up() -> dict[str, Any]:
+    from benchmarks.residual import SMALL_QWEN3
+    from dormant import LLM, SamplingParams
+    from dormant.models import ModelConfig
+
+    llm = LLM(
+        ModelConfig.from_dict(SMALL_QWEN3), max_model_len=1024, max_num_seqs=32, seed=0,
+        kv_cache_memory_bytes=512 * MiB, cuda_graph_multi_steps=4,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate([[11, 12, 13]] * 4, params, use_tqdm=False)
+    compiled = count_triton_kernels()
+    llm.shutdown()
+    return compiled
+
+
+def count_triton_kernels() -> dict[str, Any]:
+    """The number of compiled variants of every Triton kernel dormant defines, by kernel."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import dormant.layers
+
+    counts: dict[str, int] = {}
+    for info in pkgutil.iter_modules(dormant.layers.__path__):
+        module = importlib.import_module(f"dormant.layers.{info.name}")
+        for name, value in vars(module).items():
+            fn = getattr(value, "fn", value)  # autotuned or heuristics wrappers
+            while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
+                fn = fn.fn
+            if isinstance(fn, JITFunction):
+                n = sum(len(cache[0]) for cache in fn.device_caches.values())
+                if n:
+                    counts[f"{info.name}.{name}"] = n
+    return {"triton_variants": sum(counts.values()), "by_kernel": counts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rec = Recorder(args.out)
+    rec.emit(case="environment", **environment())
+    meter = Meter(rec)
+
+    x = torch.zeros(1 << 20, device="cuda")
+    (x + 1).mul_(2).to(torch.bfloat16).float()
+    meter.step("torch elementwise")
+
+    a = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    a @ w
+    meter.step("cublas first gemm")
+    weights = {
+        shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in GEMM_SHAPES
+    }
+    for m in DECODE_BUCKETS:
+        h = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        for (k, _n), wt in weights.items():
+            (h if k == 4096 else torch.randn(m, k, device="cuda", dtype=torch.bfloat16)) @ wt
+    meter.step("cublas decode shapes", gemms=len(DECODE_BUCKETS) * len(GEMM_SHAPES))
+
+    triton_variants(1)
+    meter.step("triton first kernel")
+    for count in (8, 32, 128):
+        triton_variants(count)
+        meter.step(f"triton {count} specializations", variants=count)
+
+    graph = torch.cuda.CUDAGraph()
+    h = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.graph(graph):
+        for _ in range(50):
+            h = (h @ w).relu_()
+    graph.replay()
+    meter.step("graph capture (100 nodes)")
+
+    compiled = engine_warm_up()
+    meter.step("engine warm-up and shutdown (small Qwen3, FULL + 4-step graphs)", **compiled)
+
+
+if __name__ == "__main__":
+    main()
