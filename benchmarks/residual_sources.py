@@ -22,6 +22,7 @@ modules, handles, graph executables):
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,31 @@ def count_triton_kernels() -> dict[str, Any]:
     return {"triton_variants": sum(counts.values()), "by_kernel": counts}
 
 
+def limits() -> dict[str, int]:
+    """The context's stack, heap and printf limits, and its flags (the driver's API)."""
+    from dormant.memory.cuda_driver import call, driver
+
+    cu = driver()
+    names = ("CU_LIMIT_STACK_SIZE", "CU_LIMIT_MALLOC_HEAP_SIZE", "CU_LIMIT_PRINTF_FIFO_SIZE")
+    values = {name: int(call("cuCtxGetLimit", getattr(cu.CUlimit, name))) for name in names}
+    return {**values, "ctx_flags": int(call("cuCtxGetFlags"))}
+
+
+def set_limit(name: str, value: int) -> None:
+    from dormant.memory.cuda_driver import call, driver
+
+    call("cuCtxSetLimit", getattr(driver().CUlimit, name), value)
+
+
+def capture(nodes: int, h: torch.Tensor, w: torch.Tensor) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(nodes // 2):
+            h = (h @ w).relu_()
+    graph.replay()
+    return graph
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
@@ -130,15 +156,19 @@ def main() -> None:
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
     meter = Meter(rec)
+    meter.step("nothing yet", **limits())
 
-    x = torch.zeros(1 << 20, device="cuda")
+    x = torch.empty(1 << 20, device="cuda")
+    meter.step("torch allocation, no kernel")
+    x.fill_(1.0)
+    meter.step("torch fill kernel", **limits())
     (x + 1).mul_(2).to(torch.bfloat16).float()
-    meter.step("torch elementwise")
+    meter.step("torch elementwise (add, mul, casts)", **limits())
 
     a = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     a @ w
-    meter.step("cublas first gemm")
+    meter.step("cublas first gemm", **limits())
     weights = {
         shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in GEMM_SHAPES
     }
@@ -146,7 +176,7 @@ def main() -> None:
         h = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         for (k, _n), wt in weights.items():
             (h if k == 4096 else torch.randn(m, k, device="cuda", dtype=torch.bfloat16)) @ wt
-    meter.step("cublas decode shapes", gemms=len(DECODE_BUCKETS) * len(GEMM_SHAPES))
+    meter.step("cublas decode shapes", gemms=len(DECODE_BUCKETS) * len(GEMM_SHAPES), **limits())
 
     triton_variants(1)
     meter.step("triton first kernel")
@@ -154,16 +184,28 @@ def main() -> None:
         triton_variants(count)
         meter.step(f"triton {count} specializations", variants=count)
 
-    graph = torch.cuda.CUDAGraph()
     h = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    with torch.cuda.graph(graph):
-        for _ in range(50):
-            h = (h @ w).relu_()
-    graph.replay()
-    meter.step("graph capture (100 nodes)")
+    for nodes in (2, 100, 100):
+        graph = capture(nodes, h, w)
+        meter.step(f"graph of {nodes} nodes captured", **limits())
+        del graph
+        gc.collect()
+        meter.step(f"graph of {nodes} nodes destroyed")
 
     compiled = engine_warm_up()
     meter.step("engine warm-up and shutdown (small Qwen3, FULL + 4-step graphs)", **compiled)
+    meter.step("limits after the engine", **limits())
+    trials = (("CU_LIMIT_STACK_SIZE", 1024), ("CU_LIMIT_STACK_SIZE", 0),
+              ("CU_LIMIT_MALLOC_HEAP_SIZE", 0), ("CU_LIMIT_PRINTF_FIFO_SIZE", 0))  # fmt: skip
+    for name, value in trials:
+        try:
+            set_limit(name, value)
+            meter.step(f"cuCtxSetLimit({name}, {value})", **limits())
+        except Exception as error:  # a limit the driver refuses: reported, the rest still run
+            rec.emit(case="set_limit_failed", limit=name, value=value, error=str(error))
+    x.fill_(2.0)
+    a @ w
+    meter.step("a torch kernel and a GEMM after the limits were set", **limits())
 
 
 if __name__ == "__main__":
