@@ -141,10 +141,21 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: Tensor, router_logits: Tensor) -> Tensor:
         if use_triton(hidden_states):
             weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
-            out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, weights, ids)
         else:
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden_states, weights, ids)
+
+    def forward_routed(
+        self, hidden_states: Tensor, topk_weights: Tensor, topk_ids: Tensor
+    ) -> Tensor:
+        """The experts on routing done elsewhere (the fused router, ``triton_router.py``):
+        float32 weights and int32 ids ``[T, top_k]``, as ``select_experts`` gives them."""
+        if use_triton(hidden_states):
+            out = fused_experts(
+                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
+            )
+        else:
             out = fused_experts_reference(
-                hidden_states, self.w13_weight, self.w2_weight, weights, ids
+                hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
             )
         return self.tp_group.all_reduce(out) if self.tp_size > 1 else out

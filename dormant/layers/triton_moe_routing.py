@@ -29,16 +29,18 @@ BLOCKS_CHUNK = 64  # blocks per iteration when writing block_experts
 
 
 @triton.jit
-def _topk_softmax_kernel(
-    logits_ptr, weights_ptr, ids_ptr, stride_logits, num_experts,
+def softmax_topk_row(
+    row_ptr, weights_ptr, ids_ptr, num_experts,
     EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, CACHE: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    """One token's routing: its ``num_experts`` logits at ``row_ptr`` → ``TOP_K`` float32
+    weights and int32 ids. ``topk_softmax`` and the fused router (``triton_router.py``) both
+    call it, so equal logits give equal results. ``CACHE``: the logits' load cache modifier."""
     experts = tl.arange(0, EXPERTS_PAD)
     is_expert = experts < num_experts
-    row = logits_ptr + token.to(tl.int64) * stride_logits
-    logits = tl.load(row + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
+    logits = tl.load(row_ptr + experts, mask=is_expert, other=float("-inf"), cache_modifier=CACHE)
+    logits = logits.to(tl.float32)
     exps = tl.exp(logits - tl.max(logits, axis=0))
     probs = exps / tl.sum(exps, axis=0)
     # Ranks: real probabilities >= 0 > NaN (-1) > padding (-2) > taken (-3). A NaN row still
@@ -55,9 +57,21 @@ def _topk_softmax_kernel(
         probs = tl.where(experts == best, -3.0, probs)  # taken
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, axis=0)
-    out = token.to(tl.int64) * TOP_K + slots
-    tl.store(weights_ptr + out, top_weights, mask=slots < TOP_K)
-    tl.store(ids_ptr + out, top_ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, top_weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + slots, top_ids, mask=slots < TOP_K)
+
+
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr, weights_ptr, ids_ptr, stride_logits, num_experts,
+    EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    softmax_topk_row(
+        logits_ptr + token * stride_logits, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K,
+        num_experts, EXPERTS_PAD, TOP_K, TOP_K_PAD, RENORMALIZE, CACHE="",
+    )  # fmt: skip
 
 
 def topk_softmax(

@@ -10,21 +10,34 @@ Checkpoint names of a sparse layer's MLP (Hugging Face's, as ``save_pretrained``
 
 Dense layers (``mlp_only_layers``, ``decoder_sparse_step``) keep the dense names with
 ``intermediate_size``. No shared expert: Qwen3-MoE has none.
+
+Routing on the GPU: up to ``FUSED_ROUTER_MAX_TOKENS`` tokens (decode), one kernel computes the
+router's logits, softmax and top-k (``layers/triton_router.py``), with a ticket that is the
+layer's one persistent routing state (``router_ticket``, a buffer: ``runtime``, zero between
+launches, set by ``init_buffers``); more tokens, and the CPU, run the router's GEMM, then the
+top-k (``FusedMoE.forward``).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
+from dormant.layers.kernels import IS_TRITON_AVAILABLE, use_triton
 from dormant.layers.linear import ReplicatedLinear
 from dormant.layers.moe import FusedMoE
 from dormant.models.base import CausalLM
 from dormant.models.config import ModelConfig
 from dormant.models.decoder import DecoderSpec
 
+if IS_TRITON_AVAILABLE:
+    from dormant.layers.triton_router import is_router_fused, router_topk
+
 
 class SparseMoeBlock(nn.Module):
     """The router (replicated on every rank) and the fused experts."""
+
+    router_ticket: Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -41,11 +54,25 @@ class SparseMoeBlock(nn.Module):
             renormalize=moe.norm_topk_prob,
             dtype=config.dtype,
         )
+        # The fused router's ticket: derived state (zero at rest), not a checkpoint tensor.
+        ticket = torch.zeros(1, dtype=torch.int32)
+        self.register_buffer("router_ticket", ticket, persistent=False)
+
+    def init_buffers(self) -> None:
+        """Zeroes the ticket in place (after materialization: adopted buffers start undefined)."""
+        self.router_ticket.zero_()
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         """``[T, H]`` → ``[T, H]``. The router's GEMM runs in the model dtype, as in HF and
         vLLM; its logits go to float32 for the softmax and top-k."""
-        return self.experts(hidden_states, self.gate(hidden_states))
+        experts = self.experts
+        if use_triton(hidden_states) and is_router_fused(hidden_states.shape[0]):
+            weights, ids, _ = router_topk(
+                hidden_states, self.gate.weight, experts.top_k, experts.renormalize,
+                self.router_ticket,
+            )  # fmt: skip
+            return experts.forward_routed(hidden_states, weights, ids)
+        return experts(hidden_states, self.gate(hidden_states))
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -60,3 +87,10 @@ class Qwen3MoeForCausalLM(CausalLM):
             has_mlp_bias=False,
             sparse_mlp=SparseMoeBlock,
         )
+
+    def init_buffers(self) -> None:
+        """The rotary tables, and every sparse layer's router ticket."""
+        super().init_buffers()
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.init_buffers()

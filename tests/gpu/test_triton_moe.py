@@ -2,7 +2,9 @@
 pairs sorted and padded by expert, and the experts by both paths (sorted: gate/up + SiLU·mul,
 down, combine; direct: gate/up + SiLU·mul, down + combine), over decode and prefill sizes,
 fp32/bf16/fp16, with experts nobody picks; the direct path bit-exact against the sorted one on
-exact inputs; and the whole path inside a CUDA graph replayed on new routing.
+exact inputs; and the whole path inside a CUDA graph replayed on new routing. The fused router
+(router GEMV + softmax + top-k, ``triton_router.py``) against ``F.linear`` + ``topk_softmax``,
+at decode sizes up to Qwen3-30B-A3B's, in a CUDA graph, and as the sparse layer's path.
 
 tests/layers/test_triton_moe_direct.py runs the direct path's checks on the CPU through
 Triton's interpreter (this folder's tests skip without CUDA, interpreted or not).
@@ -20,7 +22,13 @@ from dormant.layers.moe_reference import select_experts
 triton = pytest.importorskip("triton")
 from dormant.layers.triton_moe import fused_experts  # noqa: E402
 from dormant.layers.triton_moe_routing import align_by_expert, topk_softmax  # noqa: E402
+from dormant.layers.triton_router import (  # noqa: E402
+    FUSED_ROUTER_MAX_TOKENS,
+    new_router_ticket,
+    router_topk,
+)
 from tests.layers import moe_kernel_checks as checks  # noqa: E402
+from tests.layers import moe_router_checks as router_checks  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -30,6 +38,10 @@ DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat1
 SHAPES = [(1, 8, 2, 64, 32), (7, 16, 4, 96, 40), (64, 8, 2, 64, 32), (300, 4, 3, 48, 80)]
 if not INTERPRETED:
     SHAPES += [(1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (1000, 64, 6, 512, 256)]
+
+ROUTER_SHAPES = list(router_checks.ROUTER_SHAPES)
+if not INTERPRETED:  # Qwen3-30B-A3B's router at every fused batch size
+    ROUTER_SHAPES += [(t, 128, 8, 2048) for t in range(1, FUSED_ROUTER_MAX_TOKENS + 1)]
 
 PATH_CASES = [(path, shape) for path in ("auto", "sorted") for shape in SHAPES] + [
     ("direct", shape) for shape in SHAPES + checks.DIRECT_SHAPES
@@ -127,3 +139,87 @@ def test_the_routing_and_experts_replay_in_a_cuda_graph(shape) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run())
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROUTER_SHAPES)
+def test_the_fused_router_is_topk_softmax_of_the_router_gemm(shape, dtype, renormalize) -> None:
+    """Exact inputs: bit for bit ``topk_softmax(F.linear(x, w))``. Random ones: the logits within
+    one ulp of cuBLAS's, the routing bit for bit ``topk_softmax`` on them, the ids
+    ``select_experts``' (no near ties)."""
+    router_checks.check_exact_routing(shape, dtype, renormalize, DEVICE)
+    router_checks.check_random_routing(shape, dtype, renormalize, DEVICE)
+
+
+def test_the_fused_router_routes_nan_rows_and_refuses_bad_inputs() -> None:
+    router_checks.check_nan_rows_route_to_real_experts(DEVICE)
+    router_checks.check_bad_inputs_raise(DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("num_tokens", [1, FUSED_ROUTER_MAX_TOKENS])
+def test_the_fused_router_and_experts_replay_in_a_cuda_graph(num_tokens: int) -> None:
+    """48 layers' routers (one ticket each) and experts in one graph, replayed 20 times on new
+    inputs: every replay equals eager (a program routing before another's logits landed would
+    show), and every ticket is back at zero."""
+    shape = (num_tokens, 128, 8, 2048, 768)
+    x, w13, w2, _ = _inputs(shape, torch.bfloat16)
+    gates = [torch.randn(128, 2048, device="cuda").div(2048**0.5).bfloat16() for _ in range(48)]
+    tickets = [new_router_ticket("cuda") for _ in gates]
+    static_x = x.clone()
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        for gate, ticket in zip(gates, tickets, strict=True):
+            weights, ids, _ = router_topk(static_x, gate, 8, True, ticket)
+            outs += [ids, fused_experts(static_x, w13, w2, weights, ids)]
+        return outs
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for seed in range(1, 21):
+        static_x.copy_(_inputs(shape, torch.bfloat16, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        for ours, eager in zip(outs, run(), strict=True):
+            assert torch.equal(ours, eager), seed
+        assert all(int(ticket) == 0 for ticket in tickets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="the sparse layer takes Triton on CUDA tensors only")
+def test_the_sparse_layer_routes_decode_batches_with_the_fused_router() -> None:
+    """Up to FUSED_ROUTER_MAX_TOKENS tokens: the experts on ``router_topk``'s routing; more:
+    the router's GEMM, then ``topk_softmax``, bit for bit."""
+    from dormant.models import ModelConfig
+    from dormant.models.qwen3_moe import SparseMoeBlock
+
+    config = ModelConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16", "num_experts": 64,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 128, "norm_topk_prob": True,
+    })  # fmt: skip
+    with torch.device("cuda"):
+        block = SparseMoeBlock(config)
+    for param in block.parameters():
+        param.data.normal_(0.0, 0.05)
+    experts = block.experts
+    for num_tokens in range(1, FUSED_ROUTER_MAX_TOKENS + 2):
+        x = torch.randn(num_tokens, 256, device="cuda").bfloat16()
+        if num_tokens <= FUSED_ROUTER_MAX_TOKENS:
+            weights, ids, _ = router_topk(x, block.gate.weight, 8, True, new_router_ticket("cuda"))
+            expected = experts.forward_routed(x, weights, ids)
+        else:
+            expected = experts(x, block.gate(x))
+        assert torch.equal(block(x), expected), num_tokens
+        assert int(block.router_ticket) == 0

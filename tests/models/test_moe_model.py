@@ -197,6 +197,27 @@ def test_random_init_fills_every_expert_and_runs() -> None:
     assert logits.shape == (3, 256) and torch.isfinite(logits).all()
 
 
+def test_the_router_ticket_is_a_zeroed_runtime_buffer_not_a_weight() -> None:
+    """The fused router's ticket (layers/triton_router.py) must be 0 before the first launch:
+    materialized uninitialised (as the engine adopts buffers), ``init_buffers`` zeroes it. It
+    is no checkpoint tensor (refits and ``parameters()`` never see it)."""
+    config = ModelConfig.from_dict(_moe_dict(mlp_only_layers=[1]))
+    with torch.device("meta"):
+        model = build_model(config)
+    materialize(model, torch.device("cpu"))
+    sparse = [model.model.layers[i].mlp for i in _sparse_layers(model)]
+    assert sparse and len(sparse) < len(model.model.layers)
+    for block in sparse:
+        block.router_ticket.fill_(7)  # what an uninitialised buffer may hold
+    model.init_buffers()
+    for block in sparse:
+        assert block.router_ticket.dtype == torch.int32 and block.router_ticket.tolist() == [0]
+    assert not any("router_ticket" in name for name in model.expected_weight_shapes())
+    assert not any("router_ticket" in name for name in model.state_dict())
+    tickets = {id(block.router_ticket) for block in sparse}
+    assert len(tickets) == len(sparse), "one ticket per layer: launches never share one"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_the_reference_forms_agree(dtype: torch.dtype, renormalize: bool) -> None:
