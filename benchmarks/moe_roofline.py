@@ -22,6 +22,7 @@ from dormant.core.step_input import SeqInput, StepInput
 from dormant.layers.moe import FusedMoE
 from dormant.layers.moe_reference import select_experts
 from dormant.models import CausalLM
+from dormant.models.qwen3_moe import SparseMoeBlock
 from dormant.worker.worker import Worker
 
 __all__ = ["count_routed_experts", "decode_step", "fill_kv_cache", "step_bytes", "time_steps"]
@@ -59,11 +60,14 @@ def count_routed_experts(worker: Worker, step: StepInput) -> list[int]:
     num_seqs = len(step.seqs)
 
     def hook(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-        assert isinstance(module, FusedMoE)
-        _, ids = select_experts(inputs[1][:num_seqs], module.top_k, module.renormalize)
+        # the sparse layer, not its experts: decode batches route in the fused router
+        # (layers/triton_router.py), so the experts never see the logits
+        assert isinstance(module, SparseMoeBlock)
+        logits = module.gate(inputs[0][:num_seqs])
+        _, ids = select_experts(logits, module.experts.top_k, module.experts.renormalize)
         counts.append(int(torch.unique(ids).numel()))
 
-    moe_layers = [m for m in worker.model.modules() if isinstance(m, FusedMoE)]
+    moe_layers = [m for m in worker.model.modules() if isinstance(m, SparseMoeBlock)]
     handles = [m.register_forward_pre_hook(hook) for m in moe_layers]
     runner = worker.runner
     graphs, runner.graphs = runner.graphs, None  # eager, so the hooks run
