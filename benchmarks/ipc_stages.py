@@ -2,10 +2,12 @@
 ``IpcReceiver.update_weights_from_tensor`` runs: rebuilding the entry (opening the handle, or
 finding it held and waiting on the sender's event), reading the bucket's items, looking up its
 copy plan (built on the first refit only), enqueueing the plan's copies, synchronizing, and
-ending the payload (closing the previous bucket's handle unless it was reused). A second process
-sends the 8B-like model's bf16 weights in flattened buckets (``benchmarks/refit.py``'s sender);
-prints one JSON line per stage with its median milliseconds per bucket, and per sender the
-copies per bucket and the handles opened and reused.
+ending the payload (closing the previous bucket's handle unless it was reused); and the parts of
+the rebuild (``PARTS``: opening a handle, releasing a held one's counter, waiting on its event).
+A second process sends the 8B-like model's bf16 weights in flattened buckets
+(``benchmarks/refit.py``'s sender); prints one JSON line per stage with its median milliseconds
+per bucket, and per sender the copies per bucket, the handles opened and reused, and the
+counter files mapped and the counters released.
 
     python benchmarks/ipc_stages.py [--bucket-mib 512] [--out stages.jsonl]
 """
@@ -16,8 +18,10 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,8 +37,35 @@ from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import bucket_items
 
 STAGES = ("rebuild", "items", "plan", "copy", "sync", "end payload")
+# Parts of "rebuild" (IpcHandles' calls, summed per bucket that made them): "rebuild: open"
+# (``_new_shared_cuda``: opening a handle, its event waited on inside), "rebuild: counter"
+# (releasing a held handle's share counter) and "rebuild: event" (waiting on its IPC event).
+PARTS = {"_open": "rebuild: open", "_wait_on_event": "rebuild: event"}
+COUNTER_PART = "rebuild: counter"
 # Also timed: "sender", from the acknowledgement to the next bucket's arrival (the trainer
 # packing and serializing), and "release", closing the last handle at the end of a refit.
+
+
+def timed(fn: Callable[..., Any], sink: list[float]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            sink.append(time.perf_counter() - start)
+
+    return call
+
+
+def time_parts(receiver: IpcReceiver) -> dict[str, list[float]]:
+    """Times the receiver's handle parts; returns the sinks, one duration per call."""
+    handles = receiver.handles
+    sinks: dict[str, list[float]] = {part: [] for part in (*PARTS.values(), COUNTER_PART)}
+    for attribute, part in PARTS.items():
+        setattr(handles, attribute, timed(getattr(handles, attribute), sinks[part]))
+    counters = handles.counters
+    counters.release = timed(counters.release, sinks[COUNTER_PART])  # type: ignore[method-assign]
+    return sinks
 
 
 def main() -> None:
@@ -55,11 +86,14 @@ def main() -> None:
         sender.start()
         conn.recv()
         receiver = IpcReceiver()
-        stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "sender", "release")}
+        parts = time_parts(receiver)
+        stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "sender", "release", *parts)}
         for _ in range(args.refits):
             conn.send("run")
             acknowledged = None
             while (entries := conn.recv()) is not None:
+                for sink in parts.values():
+                    sink.clear()
                 t0 = time.perf_counter()
                 if acknowledged is not None:
                     stages["sender"].append(t0 - acknowledged)
@@ -80,6 +114,9 @@ def main() -> None:
                 times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
                 for key, value in zip(STAGES, times, strict=True):
                     stages[key].append(value)
+                for part, sink in parts.items():
+                    if sink:
+                        stages[part].append(sum(sink))
                 conn.send(True)
                 acknowledged = time.perf_counter()
             t0 = time.perf_counter()
@@ -88,6 +125,8 @@ def main() -> None:
         conn.send("stop")
         sender.join()
         for stage, values in stages.items():
+            if not values:
+                continue
             recorder.emit(
                 case="ipc receiver stage", sender=mode, stage=stage, buckets=len(values),
                 median_ms=statistics.median(values) * 1e3, max_ms=max(values) * 1e3,
@@ -97,6 +136,8 @@ def main() -> None:
             case="ipc receiver totals", sender=mode, refits=args.refits,
             copies_per_bucket=statistics.mean(p.num_copies for p in plans),
             handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
+            counter_files_mapped=receiver.handles.counters.num_mapped,
+            counters_released=receiver.handles.counters.num_released,
         )  # fmt: skip
 
 

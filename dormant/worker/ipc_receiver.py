@@ -16,13 +16,13 @@ handle 0.43 ms, unflattening 0.17, enqueueing ~13 copies 0.33, closing the handl
     one copy per tensor          the plan's merged runs                   tensors adjacent in the
                                                                           bucket and in the pool
 
-Holding handles between buckets (``IpcHandles``): torch's ``rebuild_cuda_tensor`` finds an opened
-storage in its cache, keyed by (handle, offset), while that storage is alive; so the storages of
-the last payload are kept until the next payload was rebuilt (then dropped, unless it reused
-them), or until ``release()``, which the worker calls on any command that ends the refit
-(``IPC_REFIT_COMMANDS`` keep them). On such a cache hit torch does not wait on the sender's IPC
-event (it only does when it opens a handle), so ``IpcHandles`` waits on it: a reused buffer is
-never read before the writes the sender made before sharing it.
+Holding handles between buckets (``ipc_handles.IpcHandles``, its own map of opened storages by
+(handle, offset); torch's ``rebuild_cuda_tensor`` is not called for them): the storages of the
+last payload are kept until the next payload was rebuilt (then dropped, unless it reused them),
+or until ``release()``, which the worker calls on any command that ends the refit
+(``IPC_REFIT_COMMANDS`` keep them). A held storage costs a view, the release of this share's
+ref-counter in a file mapped once (``ipc_counters.py``) and a wait on this share's IPC event: a
+reused buffer is never read before the writes the sender made before sharing it.
 
 Memory: the receiver allocates nothing for a held handle (it maps the sender's memory). What the
 sender cannot free while it is held is the last payload's allocations: at most one bucket beyond
@@ -32,19 +32,18 @@ at ``release()``); a sender that reuses its buffers holds nothing extra.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import Tensor
-from torch.multiprocessing import reductions
 
 from dormant.core.commands import Command
 from dormant.core.errors import UnsupportedOptionError
 from dormant.models import CausalLM
 from dormant.worker.copy_plan import BucketItem, BucketLayout
 from dormant.worker.copy_plans import CopyPlans
+from dormant.worker.ipc_handles import IpcHandles
 from dormant.worker.ipc_payload import (
     LocalSerializedTensor,
     SerializedEntry,
@@ -69,58 +68,6 @@ IPC_REFIT_COMMANDS = frozenset(
         Command.CHECK_HEALTH,
     }
 )
-# rebuild_cuda_tensor's arguments (torch.multiprocessing.reductions.reduce_tensor's order)
-_DEVICE, _HANDLE, _STORAGE_OFFSET, _EVENT_HANDLE, _EVENT_SYNC_REQUIRED = 6, 7, 9, 13, 14
-_NUM_REBUILD_ARGS = 15
-
-
-def _wait_on_ipc_event(device: int, event_handle: bytes) -> None:
-    stream = torch.cuda.current_stream(device)
-    torch.cuda.Event.from_ipc_handle(device, event_handle).wait(stream)
-
-
-class IpcHandles:
-    """Rebuilds CUDA tensors and keeps the storages of the last payload open (see above).
-    ``num_opened`` / ``num_reused`` count rebuilds that opened a handle / found it open."""
-
-    def __init__(
-        self,
-        rebuild: Callable[..., Tensor] = reductions.rebuild_cuda_tensor,
-        opened: Mapping[Any, Any] = reductions.shared_cache,
-        wait_on_event: Callable[[int, bytes], None] = _wait_on_ipc_event,
-    ) -> None:
-        self._rebuild, self._opened, self._wait_on_event = rebuild, opened, wait_on_event
-        self._held: list[Any] = []  # storages of the last payload
-        self._current: list[Any] = []  # storages of the payload being rebuilt
-        self.num_opened = self.num_reused = 0
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
-    def rebuild_cuda_tensor(self, *args: Any) -> Tensor:
-        if len(args) != _NUM_REBUILD_ARGS:  # another torch's reductions: no holding
-            return self._rebuild(*args)
-        ref = self._opened.get((args[_HANDLE], args[_STORAGE_OFFSET]))
-        is_open = ref is not None and not ref.expired()
-        tensor = self._rebuild(*args)
-        if is_open:
-            self.num_reused += 1
-            if args[_EVENT_SYNC_REQUIRED]:  # torch waits only when it opens the handle
-                self._wait_on_event(args[_DEVICE], args[_EVENT_HANDLE])
-        else:
-            self.num_opened += 1
-        self._current.append(tensor.untyped_storage())
-        return tensor
-
-    def end_payload(self) -> None:
-        """The payload was copied: its storages replace the held ones (which close now, unless
-        it reused them)."""
-        self._held, self._current = self._current, []
-
-    def release(self) -> None:
-        """Closes every held handle (each storage's deleter waits for its stream first)."""
-        self._held, self._current = [], []
 
 
 class IpcReceiver:

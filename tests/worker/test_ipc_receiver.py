@@ -2,15 +2,17 @@
 
 The payloads are pickled as a trainer's CUDA tensors are: ``rebuild_cuda_tensor`` with torch's
 15 arguments, resolved by the restricted unpickler to ``IpcHandles``. The "driver" is faked:
-opening a handle maps the sender's buffer (a NumPy array) as a new storage, registered weakly as
-torch's ``shared_cache`` does, so a storage stays open exactly as long as someone holds it; the
-sender writes into the same buffer between buckets, as a reusing trainer does.
+opening a handle maps the sender's buffer (a NumPy array) as a new storage, registered weakly, so
+a storage stays open exactly as long as someone holds it; the sender writes into the same buffer
+between buckets, as a reusing trainer does, and takes a ref-counter slot in a real file per
+share, which the receiver must release once for every share it did not open.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +25,9 @@ from torch.multiprocessing import reductions
 from dormant.core.commands import Command
 from dormant.models import WeightError
 from dormant.worker.draft_model import DraftModel, PrefixedObserver
-from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS, IpcHandles, IpcReceiver
+from dormant.worker.ipc_counters import FILE_BYTES, HEADER_BYTES, RefCounterFiles
+from dormant.worker.ipc_handles import IpcHandles
+from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS, IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET, iter_buckets, pack_flattened_bucket
 from dormant.worker.refit_record import RefitRecord
 from dormant.worker.worker import Worker
@@ -38,44 +42,64 @@ from tests.worker.test_copy_plan import (
 
 
 class FakeDriver:
-    """Sender buffers by handle; ``rebuild`` maps one as a fresh storage over the same memory."""
+    """Sender buffers by handle, and the sender's ref-counter file (a real file, as torch's in
+    /dev/shm). ``open_storage`` stands in for ``_new_shared_cuda``: it maps a buffer as a fresh
+    storage over the same memory, registered weakly, so a storage is open exactly as long as
+    someone holds it, and records the counter it keeps (torch's deleter releases it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path) -> None:
+        self.root = root
         self.buffers: dict[bytes, np.ndarray] = {}
         self.opened: dict[Any, reductions.StorageWeakRef] = {}
-        self.waits: list[tuple[int, bytes]] = []
+        self.waits: list[tuple[int, bytes]] = []  # the receiver's own waits (held handles)
+        self.kept: list[int] = []  # the counter slot each open kept
+        (root / COUNTERS[1:].decode()).write_bytes(bytes(FILE_BYTES))
+        self.slots = np.memmap(root / COUNTERS[1:].decode(), np.int64, "r+", HEADER_BYTES)
+        self.num_shared = 0
 
-    def rebuild(self, *args: Any) -> Tensor:
-        _, size, stride, offset, _, dtype, _, handle, _, storage_offset = args[:10]
-        key = (handle, storage_offset)
-        ref = self.opened.get(key)
-        if ref is not None and not ref.expired():
-            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        else:
-            storage = torch.from_numpy(self.buffers[handle]).untyped_storage()
-            self.opened[key] = reductions.StorageWeakRef(storage)
-        base = torch.empty(0, dtype=dtype).set_(storage)
-        return base.as_strided(size, stride, offset)
+    def share(self) -> int:
+        """A new counter slot, set to 1, as each ``reduce_tensor`` takes one."""
+        slot, self.num_shared = self.num_shared, self.num_shared + 1
+        self.slots[slot] = 1
+        return slot
+
+    def open_storage(self, device: int, handle: bytes, nbytes: int, offset: int, counter: bytes,
+                     slot: int, event: bytes, sync: bool) -> torch.UntypedStorage:  # fmt: skip
+        assert counter == COUNTERS and nbytes == self.buffers[handle].nbytes
+        self.kept.append(slot)
+        storage = torch.from_numpy(self.buffers[handle]).untyped_storage()
+        self.opened[(handle, offset)] = reductions.StorageWeakRef(storage)
+        return storage
 
     def is_open(self, handle: bytes) -> bool:
         ref = self.opened.get((handle, 0))
         return ref is not None and not ref.expired()
 
     def handles(self) -> IpcHandles:
-        return IpcHandles(self.rebuild, self.opened, lambda d, e: self.waits.append((d, e)))
+        def unexpected(*args: Any) -> Tensor:
+            raise AssertionError("torch's rebuild_cuda_tensor was called")
+
+        return IpcHandles(
+            self.open_storage, RefCounterFiles(str(self.root)),
+            lambda d, e: self.waits.append((d, e)), unexpected,
+        )  # fmt: skip
+
+
+COUNTERS = b"/torch_1_2_0"
 
 
 class SharedBuffer:
     """Pickles as a trainer's CUDA tensor: ``rebuild_cuda_tensor`` and its 15 arguments."""
 
-    def __init__(self, handle: bytes, tensor: Tensor, event: bytes) -> None:
-        self.handle, self.tensor, self.event = handle, tensor, event
+    def __init__(self, handle: bytes, tensor: Tensor, event: bytes, slot: int) -> None:
+        self.handle, self.tensor, self.event, self.slot = handle, tensor, event, slot
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         t = self.tensor
         return reductions.rebuild_cuda_tensor, (
             Tensor, t.shape, t.stride(), t.storage_offset(), torch.UntypedStorage, t.dtype, 0,
-            self.handle, t.untyped_storage().nbytes(), 0, False, b"refcount", 0, self.event, True,
+            self.handle, t.untyped_storage().nbytes(), 0, False, COUNTERS, self.slot, self.event,
+            True,
         )  # fmt: skip
 
 
@@ -83,15 +107,15 @@ def send(driver: FakeDriver, handle: bytes, bucket: list, event: bytes) -> bytes
     """Packs ``bucket`` into the sender's buffer ``handle`` and serializes the request."""
     buffer = torch.from_numpy(driver.buffers[handle])
     payload = pack_flattened_bucket(buffer, bucket)
-    shared = SharedBuffer(handle, payload["flattened_tensor"], event)
+    shared = SharedBuffer(handle, payload["flattened_tensor"], event, driver.share())
     stream = io.BytesIO()
     pickle.Pickler(stream).dump({"flattened_tensor": shared, "metadata": payload["metadata"]})
     return stream.getvalue()
 
 
 @pytest.fixture
-def driver() -> FakeDriver:
-    d = FakeDriver()
+def driver(tmp_path: Path) -> FakeDriver:
+    d = FakeDriver(tmp_path)
     d.buffers[b"reused"] = np.zeros(1 << 20, dtype=np.uint8)
     d.buffers[b"other"] = np.zeros(1 << 20, dtype=np.uint8)
     return d
@@ -121,6 +145,11 @@ def test_a_reused_buffer_stays_open_and_its_event_is_waited_on(driver: FakeDrive
         assert receiver.handles.num_reused == (refit + 1) * (num_buckets - 1)
         waited = [e for _, e in driver.waits[-(num_buckets - 1) :]]
         assert waited == [b"event%d" % i for i in range(1, num_buckets)]
+        # every share's counter released once: by the receiver, or kept by the open storage
+        released = [s for s in range(driver.num_shared) if s not in driver.kept]
+        assert all(driver.slots[s] == 0 for s in released)
+        assert len(released) == receiver.handles.num_reused
+        assert all(driver.slots[s] == 1 for s in driver.kept)  # its deleter (torch's) releases
     assert receiver.plans.num_built == num_buckets  # one plan per bucket layout, kept
 
 
