@@ -25,8 +25,8 @@ the device's used bytes exactly. On CUDA each row is measured this way:
 "This process" is NVML's per-process accounting (``nvml.py``). Without it (no NVML, or a PID
 namespace that hides our pid) the process rows fall back to the device's used bytes and say
 that other processes are included. What the last sleep gave back beyond the tags (cuBLAS
-workspaces, torch's cache; ``torch_usage.release_torch_memory``) is reported beside the rows,
-since it is no longer in use.
+workspaces, torch's cache; ``torch_usage.release_torch_memory``; the context's local memory,
+``local_memory.py``) is reported beside the rows, since it is no longer in use.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from dormant.memory import nvml
 from dormant.memory.blocks import BlockTable
+from dormant.memory.local_memory import LocalMemory
 from dormant.memory.serial import SerialSection
 from dormant.memory.status import ResidualItem
 from dormant.memory.torch_usage import (
@@ -85,6 +86,7 @@ class ResidualLedger:
         self._is_listed = listed is not None and os.getpid() in listed
         self.samples: list[Sample] = [self.sample("the manager started")] if self.is_cuda else []
         self.last_release: TorchRelease | None = None
+        self.local_memory = LocalMemory(self.device)
         self._returned: dict[str, int] = {}  # owner -> bytes it gave back since it was made
         self._carved: dict[str, int] = {}  # owner -> bytes of the first sample that are its
 
@@ -134,6 +136,16 @@ class ResidualLedger:
         """
         self.last_release = release_torch_memory(self.device)
         return self.last_release
+
+    def release_local_memory(self) -> None:
+        """Gives the context's local-memory reservation back (``local_memory.py``); call it
+        after a sleep, after ``release_torch_memory``. ``restore_local_memory`` at the wake."""
+        with self._serial.held():
+            self.local_memory.release()
+
+    def restore_local_memory(self) -> None:
+        with self._serial.held():
+            self.local_memory.restore()
 
     @property
     def is_listed(self) -> bool:
@@ -210,15 +222,22 @@ class ResidualLedger:
 
     def released_items(self) -> list[ResidualItem]:
         """What the last sleep gave back beyond the tags."""
-        release = self.last_release
-        if release is None:
-            return []
-        return [
-            ResidualItem(
-                "cuBLAS workspaces freed by the last sleep", release.cublas_workspace_bytes
-            ),
-            ResidualItem("torch cache returned by the last sleep", release.cache_bytes),
-        ]
+        release, local = self.last_release, self.local_memory.last_release
+        items = []
+        if release is not None:
+            items += [
+                ResidualItem(
+                    "cuBLAS workspaces freed by the last sleep", release.cublas_workspace_bytes
+                ),
+                ResidualItem("torch cache returned by the last sleep", release.cache_bytes),
+            ]
+        if local is not None:
+            items.append(
+                ResidualItem(
+                    "the context's local memory (thread stacks), last sleep", local.freed_bytes
+                )
+            )
+        return items
 
 
 def tag_segments(table: BlockTable) -> list[int]:

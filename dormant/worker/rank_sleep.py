@@ -1,9 +1,10 @@
 """One rank's sleep and wake, and the sleep state it reports (``RankSleepState``).
 
-A sleep puts the rank's memory to sleep by level or by tag, gives torch's cached memory back to
-the driver, releases the tensor-parallel communicator when the whole engine sleeps
-(``comm_sleep``) and, if asked, checkpoints the CUDA context; a wake restores them in the
-reverse order. Only memory is touched: no model-runner state is rebuilt (DESIGN §3 invariant 2).
+A sleep puts the rank's memory to sleep by level or by tag, gives torch's cached memory and the
+CUDA context's local-memory reservation back to the driver (``memory/local_memory.py``),
+releases the tensor-parallel communicator when the whole engine sleeps (``comm_sleep``) and, if
+asked, checkpoints the CUDA context; a wake restores them in the reverse order. Only memory is
+touched: no model-runner state is rebuilt (DESIGN §3 invariant 2).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class RankSleep:
             if discards and was_awake and self.mm.tag_states()[WEIGHTS] is not TagState.AWAKE:
                 self._refits().discarded()
         self.mm.residual.release_torch_memory()  # back to the driver, and to a trainer
+        self.mm.residual.release_local_memory()  # the thread stacks' reservation too
         if tags is None and not self.comm_sleep.released:  # the whole engine sleeps
             self.comm_sleep.release()  # its communicator's memory goes too
         if release_context:
@@ -92,7 +94,8 @@ class RankSleep:
     def wake_up(self, tags: Sequence[str] | None = None) -> RankSleepState:
         """Wakes ``tags`` (all when None); returns the state after the wake."""
         self.comm_sleep.restore()  # first: waking may run collectives
-        self.mm.wake_up(tags)
+        self.mm.wake_up(tags)  # restores a released CUDA context first
+        self.mm.residual.restore_local_memory()  # the stack limit the graphs were captured with
         return self.state()
 
     def state(self) -> RankSleepState:
