@@ -17,7 +17,9 @@ Each case prints a JSON line: seconds (median of ``--repeats``), GB/s of weight 
 ``x_limit`` (its inverse), and the peak extra device memory: the allocator's high-water mark above
 what was allocated before the case (for IPC, the receiver's own allocations; the sender's are its
 own). IPC rows add ``engine_s`` / ``engine_of_limit`` (the engine-side time), the copies per
-bucket and the handles opened and reused per refit. A packed bucket moves every byte twice (the
+bucket, the handles opened and reused per refit, the sender's counter files the receiver mapped
+per refit, and ``sender_unreleased_bytes``: what the sender could not free once it dropped its
+buffers (0: every share's counter was released). A packed bucket moves every byte twice (the
 sender's pack, the engine's copy-in, on the same HBM), so end to end a packed mode is bounded at
 0.5 x the limit even with no latency at all; only ``direct`` (no packing) is not. The model is
 built as the engine builds it (on meta, adopted into a memory manager's ``weights`` pool: the
@@ -141,9 +143,11 @@ def sender_main(
     with a new handle (slime's way); ``reuse``, one persistent buffer packed again for every
     bucket (verl's way); ``pipelined``, the two halves of one persistent allocation (one IPC
     handle), bucket k+1 packed and sent before the engine acknowledged bucket k; ``direct``,
-    handles of the weights themselves (``load_format=None``), nothing packed."""
+    handles of the weights themselves (``load_format=None``), nothing packed. On "free" (then
+    only "stop" may follow) it drops its buffers and sends what it could not free."""
     weights = source_weights(shapes, torch.bfloat16, torch.device(device), seed)
     conn.send(checksum([t for _, t in weights]))
+    allocated = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
     largest = max(t.numel() * t.element_size() for _, t in weights)
     size = max(bucket_bytes, largest) + (1 << 20)
     num_buffers = {"reuse": 1, "pipelined": 2}.get(mode, 0)
@@ -152,7 +156,12 @@ def sender_main(
     # Buckets the engine may still be reading when the next one is packed: a buffer is packed
     # again only once the engine acknowledged the bucket it held.
     in_flight_limit = 1 if mode == "pipelined" else 0
+    payload: dict | None = None
     while (command := conn.recv()) != "stop":
+        if command == "free":  # the last command before "stop"
+            allocation, buffers, payload = torch.empty(0), [], None
+            conn.send(_unreleased_bytes(device, allocated))
+            continue
         in_flight = 0
         for index, bucket in enumerate(iter_buckets(weights, bucket_bytes)):
             flat = None
@@ -176,6 +185,18 @@ def sender_main(
         for _ in range(in_flight):
             conn.recv()
         conn.send(None)
+
+
+def _unreleased_bytes(device: str, allocated: int) -> int:
+    """What the sender still has allocated beyond its weights once it dropped its buffers and
+    collected its IPC blocks: 0 when the engine released every share's counter (torch's
+    producer frees a shared block only then)."""
+    if not device.startswith("cuda"):
+        return 0
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    return torch.cuda.memory_allocated() - allocated
 
 
 def ipc_case(
@@ -292,6 +313,8 @@ def main() -> None:
         opened, reused = handles.num_opened, handles.num_reused
         times, peak = measure(partial(refit, "run"), device, args.repeats)
         received = checksum([p.detach() for p in params])
+        conn.send("free")
+        unreleased = conn.recv()
         conn.send("stop")
         sender.join()
         plans = receiver.plans.of(model)
@@ -309,6 +332,8 @@ def main() -> None:
             handles_opened_per_refit=opened / args.repeats,
             handles_reused_per_refit=reused / args.repeats,
             verified=math.isclose(received, sent_checksum, rel_tol=1e-9),
+            sender_unreleased_bytes=unreleased,
+            counter_files_mapped_per_refit=handles.counters.num_mapped / (2 * args.repeats),
         )
     print(
         f"Packed modes move every byte twice (pack, then copy-in): end to end they are bounded at "
