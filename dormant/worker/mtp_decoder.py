@@ -26,14 +26,14 @@ so the CPU tests run this very path. ``num_graph_replays`` counts replays.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from functools import partial
 
 import torch
 
 from dormant.core.config import EngineConfig
 from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import RUNTIME, MemoryManager
-from dormant.memory.torch_usage import clear_cublas_workspaces
+from dormant.worker.graph_capture import capture_passes
 from dormant.worker.input_buffers import InputBuffers
 from dormant.worker.mtp_draft import MTPDraftModel
 
@@ -86,25 +86,13 @@ class MTPDecoder:
             passes.append((self.catch_up_graphs, bs, None))
             for chained in self._chained_layers():
                 passes.append((self.step_graphs.setdefault(chained, {}), bs, chained))
-        stream = torch.cuda.Stream()
-        with torch.inference_mode():
-            for _, bs, layer in passes:  # kernels compiled outside any capture
-                self._pad(0, bs, layer)  # every row a dummy row (outside the graph)
-                stream.wait_stream(torch.cuda.current_stream())  # after the padding's writes
-                with torch.cuda.stream(stream):
-                    self._body(bs, layer)
-                torch.cuda.current_stream().wait_stream(stream)
-            clear_cublas_workspaces()  # capture allocates its own, in the graph pool
-            pool = cast(Any, self.mm.graph_pool().id)
-            for graphs, bs, layer in passes:
-                self._pad(0, bs, layer)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = self._body(bs, layer)
-                graphs[bs] = (graph, output)
-        torch.cuda.synchronize()
-        clear_cublas_workspaces()
-        self.mm.residual.mark("the MTP draft graphs were captured")
+        bodies = [
+            (partial(self._pad, 0, bs, layer), partial(self._body, bs, layer))
+            for _, bs, layer in passes
+        ]
+        captured = capture_passes(self.mm, bodies, "the MTP draft graphs were captured")
+        for (graphs, bs, _), graph_and_output in zip(passes, captured, strict=True):
+            graphs[bs] = graph_and_output
 
     def catch_up(
         self,

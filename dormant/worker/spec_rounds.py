@@ -39,14 +39,15 @@ token 0). The host side (staging, reading back) is ``spec_round_outputs.py``.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from functools import partial
+from typing import Any
 
 import torch
 
 from dormant.core.step_input import SeqInput, StepInput
 from dormant.core.step_output import StepOutput
 from dormant.memory import RUNTIME, MemoryManager
-from dormant.memory.torch_usage import clear_cublas_workspaces
+from dormant.worker.graph_capture import capture_passes
 from dormant.worker.input_buffers import Staging
 from dormant.worker.logprobs import HostCopy, LogprobsMode, packed_logprobs, packed_width, trim_top
 from dormant.worker.spec_round_drafts import RoundDrafts, slots
@@ -180,25 +181,9 @@ class SpecRounds:
         """Warms up, then captures, one graph per batch size that fits, largest first (GPU
         only), once, into the ``cuda_graph`` pool."""
         sizes = sorted((bs for bs in batch_sizes if bs <= self.max_rows), reverse=True)
-        stream = torch.cuda.Stream()
-        with torch.inference_mode():
-            for bs in sizes:
-                self._fill_padding(0, bs)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self.body(bs)
-                torch.cuda.current_stream().wait_stream(stream)
-            clear_cublas_workspaces()  # capture allocates its own, in the graph pool
-            pool = cast(Any, self.mm.graph_pool().id)
-            for bs in sizes:
-                self._fill_padding(0, bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.body(bs)
-                self.graphs[bs] = graph
-        torch.cuda.synchronize()
-        clear_cublas_workspaces()
-        self.mm.residual.mark("the speculative rounds' graphs were captured")
+        passes = [(partial(self._fill_padding, 0, bs), partial(self.body, bs)) for bs in sizes]
+        captured = capture_passes(self.mm, passes, "the speculative rounds' graphs were captured")
+        self.graphs.update((bs, graph) for bs, (graph, _) in zip(sizes, captured, strict=True))
 
     def body(self, bs: int) -> torch.Tensor:
         """``M`` rounds of ``bs`` rows from the state buffers (see the module); never

@@ -13,15 +13,15 @@ Steps with a plain row (a prefill chunk, a row that cannot draft) verify eagerly
 
 from __future__ import annotations
 
-from typing import Any, cast
+from functools import partial
 
 import torch
 
 from dormant.core.config import EngineConfig
 from dormant.layers.context import AttentionMetadata, forward_context
 from dormant.memory import MemoryManager
-from dormant.memory.torch_usage import clear_cublas_workspaces
 from dormant.models import CausalLM
+from dormant.worker.graph_capture import capture_passes
 from dormant.worker.input_buffers import InputBuffers
 
 
@@ -49,25 +49,9 @@ class TargetVerifier:
     def capture(self, batch_sizes: list[int]) -> None:
         """Captures one graph per batch size that fits, largest first (GPU only), once."""
         sizes = sorted((bs for bs in batch_sizes if bs <= self.max_rows), reverse=True)
-        stream = torch.cuda.Stream()
-        with torch.inference_mode():
-            for bs in sizes:  # warm-ups first: kernels compiled outside any capture
-                self._pad(0, bs)
-                stream.wait_stream(torch.cuda.current_stream())  # after the padding's writes
-                with torch.cuda.stream(stream):
-                    self._forward(bs)
-                torch.cuda.current_stream().wait_stream(stream)
-            clear_cublas_workspaces()  # capture allocates its own, in the graph pool
-            pool = cast(Any, self.mm.graph_pool().id)
-            for bs in sizes:
-                self._pad(0, bs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = self._forward(bs)
-                self.graphs[bs] = (graph, output)
-        torch.cuda.synchronize()
-        clear_cublas_workspaces()
-        self.mm.residual.mark("the verification graphs were captured")
+        passes = [(partial(self._pad, 0, bs), partial(self._forward, bs)) for bs in sizes]
+        captured = capture_passes(self.mm, passes, "the verification graphs were captured")
+        self.graphs.update(zip(sizes, captured, strict=True))
 
     def run(
         self,
