@@ -10,6 +10,11 @@
 
 Each layer's weight loader sits beside its sharding: it takes the full checkpoint tensor and
 copies this rank's part in place.
+
+A layer opted in with ``enable_skinny_gemv`` runs its local matmul with the Triton skinny GEMV
+(``triton_gemv.py``) for decode sizes on the GPU (``is_skinny``): same rounding points, another
+summation order than cuBLAS; the Qwen3-MoE model opts its attention projections in, no other
+model does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dormant.distributed import get_tp_group
+from dormant.layers.kernels import IS_TRITON_AVAILABLE, use_triton
 from dormant.layers.weight_utils import (
     ShardId,
     check_loaded_shape,
@@ -27,6 +33,9 @@ from dormant.layers.weight_utils import (
     load_narrowed,
     set_weight_attrs,
 )
+
+if IS_TRITON_AVAILABLE:
+    from dormant.layers.triton_gemv import is_skinny, skinny_linear
 
 
 class LinearBase(nn.Module):
@@ -60,6 +69,25 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    is_skinny_gemv = False  # opted in by enable_skinny_gemv
+
+    def enable_skinny_gemv(self) -> None:
+        """From now on, batches of up to ``SKINNY_MAX_TOKENS`` rows on the GPU run the Triton
+        skinny GEMV (faster than cuBLAS's at decode sizes; not bit-identical to it)."""
+        self.is_skinny_gemv = True
+
+    def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """This rank's ``x @ weight.T (+ bias)``."""
+        if (
+            self.is_skinny_gemv  # first: the models that did not opt in pay one attribute read
+            and use_triton(x)
+            and x.dim() == 2
+            and is_skinny(x.shape[0])
+            and x.stride(1) == 1
+        ):
+            return skinny_linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def _param_tp_dim(self, param: Tensor) -> int | None:
         # A row-parallel bias is replicated: it lives on the full output dimension.
         if self.tp_dim is None or self.tp_dim >= param.dim():
@@ -85,7 +113,7 @@ class LinearBase(nn.Module):
             load_narrowed(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -223,6 +251,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp_group.all_reduce(F.linear(x, self.weight))
+            return self._linear(x, self.bias)
+        y = self.tp_group.all_reduce(self._linear(x, None))
         return y if self.bias is None else y + self.bias

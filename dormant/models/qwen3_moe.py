@@ -15,10 +15,13 @@ Routing on the GPU: up to ``FUSED_ROUTER_MAX_TOKENS`` tokens (decode), one kerne
 router's logits, softmax and top-k (``layers/triton_router.py``), with a ticket that is the
 layer's one persistent routing state (``router_ticket``, a buffer: ``runtime``, zero between
 launches, set by ``init_buffers``); more tokens, and the CPU, run the router's GEMM, then the
-top-k (``FusedMoE.forward``).
+top-k (``FusedMoE.forward``). The attention projections take the skinny GEMV at the same sizes
+(``Qwen3MoeForCausalLM``).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +31,7 @@ from dormant.layers.linear import ReplicatedLinear
 from dormant.layers.moe import FusedMoE
 from dormant.models.base import CausalLM
 from dormant.models.config import ModelConfig
-from dormant.models.decoder import DecoderSpec
+from dormant.models.decoder import DecoderLayer, DecoderSpec
 
 if IS_TRITON_AVAILABLE:
     from dormant.layers.triton_router import is_router_fused, router_topk
@@ -76,7 +79,18 @@ class SparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    """Qwen3's per-head q/k norm; ``attention_bias`` (off by default) covers q/k/v and o."""
+    """Qwen3's per-head q/k norm; ``attention_bias`` (off by default) covers q/k/v and o.
+
+    The attention projections run the skinny GEMV at decode sizes on the GPU
+    (``layers/triton_gemv.py``: cuBLAS's GEMVs of these shapes are latency-bound at batch 1);
+    the dense models keep cuBLAS."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            attention = cast(DecoderLayer, layer).self_attn
+            attention.qkv_proj.enable_skinny_gemv()
+            attention.o_proj.enable_skinny_gemv()
 
     @classmethod
     def decoder_spec(cls, config: ModelConfig) -> DecoderSpec:

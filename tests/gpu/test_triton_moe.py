@@ -4,7 +4,8 @@ down, combine; direct: gate/up + SiLU·mul, down + combine), over decode and pre
 fp32/bf16/fp16, with experts nobody picks; the direct path bit-exact against the sorted one on
 exact inputs; and the whole path inside a CUDA graph replayed on new routing. The fused router
 (router GEMV + softmax + top-k, ``triton_router.py``) against ``F.linear`` + ``topk_softmax``,
-at decode sizes up to Qwen3-30B-A3B's, in a CUDA graph, and as the sparse layer's path.
+at decode sizes up to Qwen3-30B-A3B's, in a CUDA graph, and as the sparse layer's path. The
+skinny GEMV of the MoE model's attention projections (``triton_gemv.py``) against ``F.linear``.
 
 tests/layers/test_triton_moe_direct.py runs the direct path's checks on the CPU through
 Triton's interpreter (this folder's tests skip without CUDA, interpreted or not).
@@ -20,6 +21,7 @@ import torch
 from dormant.layers.moe_reference import select_experts
 
 triton = pytest.importorskip("triton")
+from dormant.layers.triton_gemv import SKINNY_MAX_TOKENS, skinny_linear  # noqa: E402
 from dormant.layers.triton_moe import fused_experts  # noqa: E402
 from dormant.layers.triton_moe_routing import align_by_expert, topk_softmax  # noqa: E402
 from dormant.layers.triton_router import (  # noqa: E402
@@ -27,6 +29,7 @@ from dormant.layers.triton_router import (  # noqa: E402
     new_router_ticket,
     router_topk,
 )
+from tests.layers import moe_gemv_checks as gemv_checks  # noqa: E402
 from tests.layers import moe_kernel_checks as checks  # noqa: E402
 from tests.layers import moe_router_checks as router_checks  # noqa: E402
 
@@ -42,6 +45,10 @@ if not INTERPRETED:
 ROUTER_SHAPES = list(router_checks.ROUTER_SHAPES)
 if not INTERPRETED:  # Qwen3-30B-A3B's router at every fused batch size
     ROUTER_SHAPES += [(t, 128, 8, 2048) for t in range(1, FUSED_ROUTER_MAX_TOKENS + 1)]
+
+GEMV_SHAPES = list(gemv_checks.GEMV_SHAPES)
+if not INTERPRETED:  # Qwen3-30B-A3B's QKV and O projections at every skinny batch size
+    GEMV_SHAPES += [(t, n, k) for t in range(1, 5) for n, k in ((5120, 2048), (2048, 4096))]
 
 PATH_CASES = [(path, shape) for path in ("auto", "sorted") for shape in SHAPES] + [
     ("direct", shape) for shape in SHAPES + checks.DIRECT_SHAPES
@@ -223,3 +230,56 @@ def test_the_sparse_layer_routes_decode_batches_with_the_fused_router() -> None:
             expected = experts(x, block.gate(x))
         assert torch.equal(block(x), expected), num_tokens
         assert int(block.router_ticket) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+def test_the_skinny_gemv_is_f_linear(shape, dtype: torch.dtype) -> None:
+    """Exact inputs: bit for bit ``F.linear``; random ones: within one ulp of the dtype."""
+    gemv_checks.check_exact(shape, dtype, DEVICE)
+    gemv_checks.check_random(shape, dtype, DEVICE)
+
+
+def test_the_skinny_gemv_refuses_bad_inputs() -> None:
+    gemv_checks.check_bad_inputs_raise(DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a GPU")
+def test_the_skinny_gemv_replays_in_a_cuda_graph() -> None:
+    x = torch.randn(SKINNY_MAX_TOKENS, 2048, device="cuda").bfloat16()
+    w = torch.randn(5120, 2048, device="cuda").div(2048**0.5).bfloat16()
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        skinny_linear(static_x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_linear(static_x, w)
+    for _ in range(3):
+        static_x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, skinny_linear(static_x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="layers take Triton on CUDA tensors only")
+def test_an_opted_in_layer_runs_the_skinny_gemv_at_decode_sizes_only() -> None:
+    from dormant.layers.linear import ReplicatedLinear
+
+    with torch.device("cuda"):
+        layer = ReplicatedLinear(2048, 5120, bias=True, dtype=torch.bfloat16)
+    layer.weight.data.normal_(0.0, 0.02)
+    layer.bias.data.normal_(0.0, 0.02)
+    for num_tokens in range(1, SKINNY_MAX_TOKENS + 2):
+        x = torch.randn(num_tokens, 2048, device="cuda").bfloat16()
+        cublas = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), cublas)  # not opted in: cuBLAS
+        layer.enable_skinny_gemv()
+        is_skinny = num_tokens <= SKINNY_MAX_TOKENS
+        expected = skinny_linear(x, layer.weight, layer.bias) if is_skinny else cublas
+        assert torch.equal(layer(x), expected), num_tokens
+        layer.is_skinny_gemv = False

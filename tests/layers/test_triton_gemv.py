@@ -1,0 +1,61 @@
+"""The skinny GEMV (``triton_gemv.py``) on the CPU, through Triton's interpreter (a subprocess:
+``TRITON_INTERPRET`` is read when triton is imported), and which layers opt in to it. The same
+checks run on the GPU in tests/gpu/test_triton_moe.py, bf16, model sizes and graphs included.
+fp32 and fp16 only here: the interpreter casts float32 to bf16 by truncating.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dormant.layers.linear import LinearBase
+from dormant.models import ModelConfig, build_model
+from tests.triton_interpreter import run_interpreted
+
+SCRIPT = """
+import torch
+from tests.layers import moe_gemv_checks as checks
+for shape in checks.GEMV_SHAPES:
+    for dtype in (torch.float32, torch.float16):
+        checks.check_exact(shape, dtype, "cpu")
+        checks.check_random(shape, dtype, "cpu")
+    print("ok", shape)
+checks.check_bad_inputs_raise("cpu")
+print("ok errors")
+"""
+
+_TINY = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256, "torch_dtype": "float32",
+}  # fmt: skip
+_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def test_the_skinny_gemv_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    result = run_interpreted(SCRIPT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    from tests.layers.moe_gemv_checks import GEMV_SHAPES
+
+    assert result.stdout.count("ok") == len(GEMV_SHAPES) + 1, result.stdout
+
+
+@pytest.mark.parametrize(
+    ("architecture", "extra"),
+    [("Qwen3MoeForCausalLM", _MOE), ("Qwen3ForCausalLM", {}), ("LlamaForCausalLM", {})],
+)
+def test_only_the_moe_models_attention_projections_opt_in(architecture: str, extra) -> None:
+    """The dense models' numerics stay cuBLAS's: no layer of theirs opts in; the MoE model's
+    QKV and O projections do, and nothing else of it (the router runs triton_router)."""
+    config = ModelConfig.from_dict({**_TINY, **extra, "architectures": [architecture]})
+    with torch.device("meta"):
+        model = build_model(config)
+    opted = {name for name, m in model.named_modules()
+             if isinstance(m, LinearBase) and m.is_skinny_gemv}  # fmt: skip
+    if architecture != "Qwen3MoeForCausalLM":
+        assert not opted
+        return
+    expected = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("qkv_proj", "o_proj")}
+    assert opted == expected
