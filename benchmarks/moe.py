@@ -13,15 +13,18 @@
   the sorted path against the direct one per batch size, and per tile configuration;
 - the routers of all layers alone, the same way (``benchmarks/moe_router.py``): cuBLAS's GEMV +
   ``topk_softmax`` against the fused router, per batch size up to 4, and per tile;
+- the attention projections of all layers alone (``benchmarks/moe_gemv.py``): cuBLAS against
+  the skinny GEMV, QKV and O, per batch size up to 4, and per tile;
 - the old step: decode at batch 1 and 64 with the sorted MoE path at every size (what
   ``fused_experts`` ran before the direct path), in a child process of the same run;
-- the step before the fused router: decode at batch 1 and 64 with the router's GEMM and
-  ``topk_softmax`` at every size, in a child process of the same run;
+- the step before the fused router and the skinny GEMV: decode at batch 1 and 64 with the
+  router's GEMM and ``topk_softmax``, and cuBLAS's attention projections, at every size, in a
+  child process of the same run;
 - the peer: the torch reference path (``DORMANT_TRITON=0``, every expert on every token, FULL
   graphs) at batch 1 and 64, in a child process of the same run.
 
 Usage: python benchmarks/moe.py [--out results.jsonl] [--layers 48] [--skip-peer]
-[--skip-sorted] [--skip-unfused-router] [--skip-kernels] (about 6-7 minutes on an H200 at 48
+[--skip-sorted] [--skip-unfused] [--skip-kernels] (about 6-7 minutes on an H200 at 48
 layers; ``--layers 8`` for a quick look).
 """
 
@@ -184,7 +187,7 @@ def bench_sleep_wake(rec: Recorder, llm: LLM, bandwidth: float, context: int) ->
 def run_child(args: argparse.Namespace, moe_path: str) -> None:
     """Decode alone in a child process: the torch reference path (``moe_path`` "peer";
     DORMANT_TRITON is read at import), or the Triton kernels with the sorted MoE path only
-    ("sorted") or without the fused router ("unfused-router")."""
+    ("sorted") or without the fused router and the skinny GEMV ("unfused")."""
     command = [sys.executable, __file__, "--decode-only", "--layers", str(args.layers),
                "--context", str(args.context)]  # fmt: skip
     if args.out:
@@ -203,12 +206,15 @@ def sorted_only() -> None:
     triton_moe.is_direct = lambda num_tokens, top_k: False
 
 
-def unfused_router() -> None:
+def unfused() -> None:
     """Every sparse layer routes by the router's GEMM and ``topk_softmax`` (as before
-    ``layers/triton_router.py``)."""
+    ``layers/triton_router.py``), and the attention projections run cuBLAS (as before
+    ``layers/triton_gemv.py``)."""
+    from dormant.layers import linear
     from dormant.models import qwen3_moe
 
     qwen3_moe.is_router_fused = lambda num_tokens: False
+    linear.is_skinny = lambda num_tokens: False
 
 
 def main() -> None:
@@ -217,12 +223,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48, help="decoder layers (48: the model)")
     parser.add_argument("--context", type=int, default=512, help="tokens in each sequence's KV")
     parser.add_argument("--skip-peer", action="store_true", help="no torch-reference run")
-    parser.add_argument("--skip-kernels", action="store_true", help="no per-tile expert sweep")
+    parser.add_argument("--skip-kernels", action="store_true",
+                        help="no per-kernel sweeps: experts, routers, GEMVs")  # fmt: skip
     parser.add_argument("--skip-sorted", action="store_true", help="no old (sorted-path) step")
-    parser.add_argument("--skip-unfused-router", action="store_true",
-                        help="no step with the old (unfused) router")  # fmt: skip
+    parser.add_argument("--skip-unfused", action="store_true",
+                        help="no step with the old router and cuBLAS attention")  # fmt: skip
     parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused-router"), default="auto",
+    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused"), default="auto",
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     rec = Recorder(args.out)
@@ -230,9 +237,9 @@ def main() -> None:
     if IS_TRITON_ENABLED and args.moe_path == "sorted":
         sorted_only()
         system = "triton, sorted MoE path (old)"
-    if IS_TRITON_ENABLED and args.moe_path == "unfused-router":
-        unfused_router()
-        system = "triton, unfused router (old)"
+    if IS_TRITON_ENABLED and args.moe_path == "unfused":
+        unfused()
+        system = "triton, unfused router, cuBLAS attention (old)"
     bandwidth = device_copy_bandwidth()
     if args.decode_only:
         llm = build(args.layers, multi_steps=1)
@@ -249,19 +256,21 @@ def main() -> None:
              load_and_capture_s=time.perf_counter() - start, d2d_bytes_per_s=bandwidth)  # fmt: skip
     rows = bench_decode(rec, llm, system, bandwidth, args.context)
     if IS_TRITON_ENABLED and not args.skip_kernels:
-        from benchmarks.moe_kernels import bench_experts  # needs triton
+        from benchmarks.moe_gemv import bench_gemv  # these need triton
+        from benchmarks.moe_kernels import bench_experts
         from benchmarks.moe_router import bench_router
 
         bench_experts(rec, worker.model, bandwidth)
         bench_router(rec, worker.model, bandwidth)
+        bench_gemv(rec, worker.model, bandwidth)
     rows += bench_sleep_wake(rec, llm, bandwidth, args.context)
     print(llm.memory_status()[0].table())
     llm.shutdown()
     del llm, worker
     torch.cuda.empty_cache()
     print(table(rows, COLUMNS))
-    if IS_TRITON_ENABLED and not args.skip_unfused_router:
-        run_child(args, "unfused-router")
+    if IS_TRITON_ENABLED and not args.skip_unfused:
+        run_child(args, "unfused")
     if IS_TRITON_ENABLED and not args.skip_sorted:
         run_child(args, "sorted")
     if not args.skip_peer:
