@@ -46,7 +46,10 @@ from dormant.memory.torch_usage import (
     torch_outside_tags,
 )
 
-MODULES = "CUDA/Triton modules, cuBLAS handles, graph executables, driver state"
+MODULES = (
+    "the context's local memory (thread stacks), CUDA/Triton modules, cuBLAS handles, graph "
+    "executables, driver state"
+)
 
 
 @dataclass(frozen=True)
@@ -252,7 +255,8 @@ def held_bytes(table: BlockTable) -> int:
 def _stack_change(before: Sample, after: Sample) -> str:
     if before.stack_bytes is None or after.stack_bytes in (None, before.stack_bytes):
         return ""
-    return f" (per-thread stack limit {before.stack_bytes} -> {after.stack_bytes} B)"
+    given_back = ": the local memory given back" if after.stack_bytes == 0 else ""
+    return f" (per-thread stack limit {before.stack_bytes} -> {after.stack_bytes} B{given_back})"
 
 
 def pci_bus_id_of(index: int | None) -> str | None:
