@@ -46,6 +46,7 @@ from dormant.layers.triton_moe_routing import softmax_topk_row
 # is for decode sizes. 4 matches the direct experts' 32 pairs at top-8.
 FUSED_ROUTER_MAX_TOKENS = 4
 _TARGET_PROGRAMS = 128  # about one per SM on the H200 (132): the weights stream in one wave
+_TILE = 2048  # weights per program and step
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,11 @@ def is_router_fused(num_tokens: int) -> bool:
 
 
 def router_config(num_experts: int, hidden: int) -> RouterConfig:
-    """About ``_TARGET_PROGRAMS`` programs (128 experts: one each), a whole 4 KB row of
-    Qwen3-30B-A3B per step (2048 bf16) so each program issues all its loads at once."""
+    """About ``_TARGET_PROGRAMS`` programs (128 experts: one each), and ``_TILE`` weights a
+    step: a whole 4 KB row of Qwen3-30B-A3B (2048 bf16), so each program issues all its loads
+    at once (64 per thread of its one warp: more spills registers, ptxas for sm_90)."""
     block_e = triton.next_power_of_2(triton.cdiv(num_experts, _TARGET_PROGRAMS))
-    return RouterConfig(block_e, max(16, min(2048, triton.next_power_of_2(hidden))))
+    return RouterConfig(block_e, max(16, min(_TILE // block_e, triton.next_power_of_2(hidden))))
 
 
 def new_router_ticket(device: torch.device | str | None = None) -> torch.Tensor:
