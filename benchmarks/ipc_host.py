@@ -12,8 +12,9 @@ enqueue on the GPU is. Every refit sends the same layouts; the first refit build
 is not timed.
 
 Prints one JSON line per stage (median and mean microseconds per bucket over every timed bucket):
-``rebuild`` (deserialize_payload), ``items`` (bucket_items), ``plan`` (CopyPlans.get), ``copy``
-(running the plan's steps), ``end payload``, and ``call`` (the whole
+``read`` (``PayloadSkeletons.read``: rebuilding the tensor and finding the bucket's layout, the
+metadata unpickled only on a bucket's first read), ``plan`` (CopyPlans.get), ``copy`` (running
+the plan's steps), ``end payload``, and ``call`` (the whole
 ``update_weights_from_tensor``, timed separately), plus the thread CPU time per call; then one
 rebuild of a held storage by torch's ``rebuild_cuda_tensor`` and by ``IpcHandles`` (per call,
 ``held_rebuild``). The values written are checked against ``load_weights`` of the same tensors,
@@ -49,9 +50,8 @@ from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
 from dormant.worker.ipc_counters import FILE_BYTES, HEADER_BYTES, REF_COUNTER_SLOTS, RefCounterFiles
 from dormant.worker.ipc_handles import IpcHandles
-from dormant.worker.ipc_payload import deserialize_payload
 from dormant.worker.ipc_receiver import IpcReceiver
-from dormant.worker.ipc_weights import FLATTENED_BUCKET, bucket_items, pack_flattened_bucket
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, pack_flattened_bucket
 from dormant.worker.refit_record import RefitRecord
 
 # The 8B-like model's layers and names, with small dimensions (every tensor a multiple of the
@@ -62,7 +62,7 @@ SMALL = {
     "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 128,
     "torch_dtype": "bfloat16",
 }  # fmt: skip
-STAGES = ("rebuild", "items", "plan", "copy", "end payload")
+STAGES = ("read", "plan", "copy", "end payload")
 HANDLE = b"sender-buffer"
 
 
@@ -193,21 +193,19 @@ def main() -> None:
                     stages["call cpu"].append(c1 - c0)
                 continue
             t0 = time.perf_counter()  # its stages, as ipc_stages.py times them on the GPU
-            payload = deserialize_payload(entry, receiver.handles.rebuild_cuda_tensor)
+            flat_bytes, items = receiver.skeletons.read(entry, receiver.handles.rebuild_cuda_tensor)
             t1 = time.perf_counter()
-            flat_bytes, items = bucket_items(payload)
-            t2 = time.perf_counter()
             plan = receiver.plans.get(model, items)
-            t3 = time.perf_counter()
+            t2 = time.perf_counter()
             with torch.no_grad():
                 for step in plan.steps:
                     step.run(flat_bytes)
-            t4 = time.perf_counter()
-            del payload, flat_bytes
+            t3 = time.perf_counter()
+            del flat_bytes
             receiver.handles.end_payload()
-            t5 = time.perf_counter()
+            t4 = time.perf_counter()
             if refit:
-                seconds = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
+                seconds = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
                 for stage, value in zip(STAGES, seconds, strict=True):
                     stages[stage].append(value)
         receiver.release()
@@ -218,6 +216,7 @@ def main() -> None:
         plans_built=receiver.plans.num_built, verified=verify(model, weights),
         copies_per_bucket=statistics.mean(p.num_copies for p in receiver.plans.of(model)),
         handles_opened=handles.num_opened, handles_reused=handles.num_reused,
+        skeleton_hits=receiver.skeletons.num_hits, skeleton_misses=receiver.skeletons.num_misses,
         counter_files_mapped=handles.counters.num_mapped,
         counters_released=handles.counters.num_released,
         # every share's counter released once, but the opened ones' (their deleter's, on a GPU)

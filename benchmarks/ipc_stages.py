@@ -1,13 +1,14 @@
 """Where the CUDA IPC refit's receiver spends its time, per bucket, in the stages
-``IpcReceiver.update_weights_from_tensor`` runs: rebuilding the entry (opening the handle, or
-finding it held and waiting on the sender's event), reading the bucket's items, looking up its
-copy plan (built on the first refit only), enqueueing the plan's copies, synchronizing, and
-ending the payload (closing the previous bucket's handle unless it was reused); and the parts of
-the rebuild (``PARTS``: opening a handle, releasing a held one's counter, waiting on its event).
-A second process sends the 8B-like model's bf16 weights in flattened buckets
-(``benchmarks/refit.py``'s sender); prints one JSON line per stage with its median milliseconds
-per bucket, and per sender the copies per bucket, the handles opened and reused, and the
-counter files mapped and the counters released.
+``IpcReceiver.update_weights_from_tensor`` runs: reading the entry (``PayloadSkeletons.read``:
+rebuilding the tensor, opening the handle or finding it held, and finding the bucket's layout,
+its metadata unpickled on the bucket's first read only), looking up its copy plan (built on the
+first refit only), enqueueing the plan's copies, synchronizing, and ending the payload (closing
+the previous bucket's handle unless it was reused); and the parts of the read (``PARTS``:
+opening a handle, releasing a held one's counter, waiting on its event). A second process sends
+the 8B-like model's bf16 weights in flattened buckets (``benchmarks/refit.py``'s sender); prints
+one JSON line per stage with its median milliseconds per bucket, and per sender the copies per
+bucket, the handles opened and reused, the counter files mapped and the counters released, and
+the reads that found a kept layout (skeleton hits) or read the bucket in full (misses).
 
     python benchmarks/ipc_stages.py [--bucket-mib 512] [--out stages.jsonl]
 """
@@ -32,12 +33,10 @@ from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
 from dormant.worker.copy_plan import wait_for_copies
-from dormant.worker.ipc_payload import deserialize_payload
 from dormant.worker.ipc_receiver import IpcReceiver
-from dormant.worker.ipc_weights import bucket_items
 
-STAGES = ("rebuild", "items", "plan", "copy", "sync", "end payload")
-# Parts of "rebuild" (IpcHandles' calls, summed per bucket that made them): "rebuild: open"
+STAGES = ("read", "plan", "copy", "sync", "end payload")
+# Parts of "read" (IpcHandles' calls, summed per bucket that made them): "rebuild: open"
 # (``_new_shared_cuda``: opening a handle, its event waited on inside), "rebuild: counter"
 # (releasing a held handle's share counter) and "rebuild: event" (waiting on its IPC event).
 PARTS = {"_open": "rebuild: open", "_wait_on_event": "rebuild: event"}
@@ -97,21 +96,20 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if acknowledged is not None:
                     stages["sender"].append(t0 - acknowledged)
-                payload = deserialize_payload(entries[0], receiver.handles.rebuild_cuda_tensor)
+                rebuild = receiver.handles.rebuild_cuda_tensor
+                flat_bytes, items = receiver.skeletons.read(entries[0], rebuild)
                 t1 = time.perf_counter()
-                flat_bytes, items = bucket_items(payload)
-                t2 = time.perf_counter()
                 plan = receiver.plans.get(model, items)
-                t3 = time.perf_counter()
+                t2 = time.perf_counter()
                 for step in plan.steps:
                     step.run(flat_bytes)
-                t4 = time.perf_counter()
+                t3 = time.perf_counter()
                 wait_for_copies({flat_bytes.device})
-                t5 = time.perf_counter()
-                del payload, flat_bytes
+                t4 = time.perf_counter()
+                del flat_bytes
                 receiver.handles.end_payload()
-                t6 = time.perf_counter()
-                times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+                t5 = time.perf_counter()
+                times = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)
                 for key, value in zip(STAGES, times, strict=True):
                     stages[key].append(value)
                 for part, sink in parts.items():
@@ -137,6 +135,8 @@ def main() -> None:
             copies_per_bucket=statistics.mean(p.num_copies for p in plans),
             handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
             counter_files_mapped=receiver.handles.counters.num_mapped,
+            skeleton_hits=receiver.skeletons.num_hits,
+            skeleton_misses=receiver.skeletons.num_misses,
             counters_released=receiver.handles.counters.num_released,
         )  # fmt: skip
 

@@ -61,16 +61,39 @@ def deserialize_payload(
     Raises ``WeightTransferError`` for corrupted data, a refused global, or a stale handle
     (its sender exited or freed the tensor).
     """
+    return unpickle_entry(decode_entry(data), rebuild_cuda_tensor)[0]
+
+
+def decode_entry(data: SerializedEntry) -> bytes:
+    """The pickle bytes of an entry (base64 text or raw bytes); ``WeightTransferError`` for
+    text that is not base64."""
+    try:
+        return base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
+    except Exception as error:
+        raise _rebuild_error(error) from error  # not base64, or not bytes
+
+
+def unpickle_entry(
+    raw: bytes, rebuild_cuda_tensor: Callable[..., Tensor] | None = None
+) -> tuple[Any, dict[int, Any]]:
+    """``deserialize_payload`` of pickle bytes, and the unpickler's memo at the end (index ->
+    object). Raises as ``deserialize_payload``."""
     rebuild = rebuild_cuda_tensor or reductions.rebuild_cuda_tensor
     try:
-        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
-        return _PayloadUnpickler(io.BytesIO(raw), rebuild).load()
+        unpickler = _PayloadUnpickler(io.BytesIO(raw), rebuild)
+        return unpickler.load(), unpickler.memo.copy()
+    except WeightTransferError:
+        raise  # a typed error of the rebuild itself (malformed arguments, no such device)
     except Exception as error:
-        raise WeightTransferError(
-            f"could not rebuild the tensors sent ({type(error).__name__}: {error}). A handle is "
-            "stale once its sender exits or frees the tensor: the sender must keep its tensors "
-            "alive until the update returns. Nothing was written."
-        ) from error
+        raise _rebuild_error(error) from error
+
+
+def _rebuild_error(error: Exception) -> WeightTransferError:
+    return WeightTransferError(
+        f"could not rebuild the tensors sent ({type(error).__name__}: {error}). A handle is "
+        "stale once its sender exits or frees the tensor: the sender must keep its tensors "
+        "alive until the update returns. Nothing was written."
+    )
 
 
 def rank_entry(entries: SerializedEntry | Sequence[SerializedEntry], tp_rank: int) -> Any:

@@ -10,9 +10,10 @@ handle 0.43 ms, unflattening 0.17, enqueueing ~13 copies 0.33, closing the handl
                                  storages stay open until the next one   buffer (verl's way)
     unflatten, validate, trace   ``CopyPlans``: one plan per bucket       every refit but the first
                                  layout, built once                       of a bucket layout
-    read the metadata, find      ``bucket_items`` keeps the layout of     the same metadata values
-    the plan                     each metadata (by value): the plan is    (every refit but the
-                                 found by the layout's kept hash          first)
+    unpickle and read the        ``PayloadSkeletons``: a bucket's layout  the same pickle outside
+    metadata, find the plan      kept by its bytes outside the tensor's   the tensor's arguments
+                                 arguments; the plan is found by the      (every refit but the
+                                 layout's identity                        first)
     one copy per tensor          the plan's merged runs                   tensors adjacent in the
                                                                           bucket and in the pool
 
@@ -50,11 +51,8 @@ from dormant.worker.ipc_payload import (
     deserialize_payload,
     rank_entry,
 )
-from dormant.worker.ipc_weights import (
-    FLATTENED_BUCKET,
-    LOAD_FORMATS,
-    bucket_items,
-)
+from dormant.worker.ipc_skeletons import PayloadSkeletons
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, LOAD_FORMATS
 from dormant.worker.transfer_errors import WeightTransferError
 from dormant.worker.weight_routes import Draft, WeightRoutes
 
@@ -76,6 +74,7 @@ class IpcReceiver:
     def __init__(self, handles: IpcHandles | None = None) -> None:
         self.handles = handles if handles is not None else IpcHandles()
         self.plans = CopyPlans()
+        self.skeletons = PayloadSkeletons()
 
     def update_weights_from_tensor(
         self,
@@ -103,11 +102,12 @@ class IpcReceiver:
             )
         try:
             entry = rank_entry(serialized_named_tensors, tp_rank)
-            payload = deserialize_payload(entry, self.handles.rebuild_cuda_tensor)
             routes = WeightRoutes(model, draft)
             if load_format == FLATTENED_BUCKET:
-                written = self._run_bucket(routes, *bucket_items(payload))
+                bucket = self.skeletons.read(entry, self.handles.rebuild_cuda_tensor)
+                written = self._run_bucket(routes, *bucket)
             else:
+                payload = deserialize_payload(entry, self.handles.rebuild_cuda_tensor)
                 named = [(name, _unwrap(value, tp_rank)) for name, value in _named_pairs(payload)]
                 written = routes.apply_named_tensors(named)
         except BaseException:

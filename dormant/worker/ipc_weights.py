@@ -181,7 +181,7 @@ def bucket_items(payload: Any) -> tuple[Tensor, BucketLayout]:
         key = kept = None
     if kept is not None and kept[1] <= flat.numel():
         return flat.view(torch.uint8), kept[0]
-    layout, end = _layout(flat, payload["metadata"])
+    layout, end = layout_of(flat, payload["metadata"])
     if key is not None:
         with _LAYOUTS_LOCK:  # ranks may be threads of one process
             while len(_LAYOUTS) >= MAX_LAYOUTS:
@@ -206,7 +206,7 @@ def _layout_key(flat_dtype: torch.dtype, metadata: Any) -> tuple[Any, ...] | Non
     return (flat_dtype, *map(_METADATA_FIELDS, metadata))
 
 
-def _layout(flat: Tensor, metadata: Any) -> tuple[BucketLayout, int]:
+def layout_of(flat: Tensor, metadata: Any) -> tuple[BucketLayout, int]:
     """The bucket's items, validated against ``flat``, and the end of the last (elements)."""
     is_bytes, unit = flat.dtype == torch.uint8, flat.element_size()
     items, last = [], 0
