@@ -24,11 +24,12 @@ back garbage and the kernel would never route). Precondition: two launches with 
 run at the same time (one ticket per layer, one stream per model).
 
 Numerics: the same rounding points as the reference (logits in the model dtype, then float32
-softmax/top-k). Given the same logits, the weights and ids are ``topk_softmax``'s (one shared
-function; on the GPU both kernels run it on one warp). The GEMV sums in another order than
-cuBLAS, so a logit can differ from ``F.linear``'s by one unit of the model dtype's last place;
-where that reorders experts whose probabilities tie to within it, an id can differ; the
-returned logits say what was routed on.
+softmax/top-k). Given the same logits, the weights and ids are ``topk_softmax``'s bit for bit
+(one shared function, and on the GPU the same layout of the logits, one warp with 4 a thread, so
+the same order of the sums: tests/layers/test_triton_moe_compile.py). The GEMV sums in another
+order than cuBLAS, so a logit can differ from ``F.linear``'s by one unit of the model dtype's
+last place; where that reorders experts whose probabilities tie to within it, an id can differ;
+the returned logits say what was routed on.
 """
 
 from __future__ import annotations
