@@ -14,11 +14,14 @@ is not timed.
 Prints one JSON line per stage (median and mean microseconds per bucket over every timed bucket):
 ``read`` (``PayloadSkeletons.read``: rebuilding the tensor and finding the bucket's layout, the
 metadata unpickled only on a bucket's first read), ``plan`` (CopyPlans.get), ``copy`` (running
-the plan's steps), ``end payload``, and ``call`` (the whole
-``update_weights_from_tensor``, timed separately), plus the thread CPU time per call; then one
-rebuild of a held storage by torch's ``rebuild_cuda_tensor`` and by ``IpcHandles`` (per call,
-``held_rebuild``). The values written are checked against ``load_weights`` of the same tensors,
-and the sender's counters: ``shares_held`` must equal ``handles_opened``.
+the plan's steps), ``end payload``, and ``call`` (the whole ``update_weights_from_tensor``,
+timed separately), plus the thread CPU time per call; then one rebuild of a held storage by
+torch's ``rebuild_cuda_tensor`` and by ``IpcHandles`` (per call, ``held_rebuild``), and the same
+buckets as the receiver read them before (``torch path: ...``: torch's rebuild on its cache, the
+whole pickle and its metadata read every bucket; its counter release is torch's per-call map and
+unmap done in Python, ``ipc_host_parts.TorchStorage``). The values written are checked against
+``load_weights`` of the same tensors, and the sender's counters: ``shares_held`` must equal
+``handles_opened``.
 
     python benchmarks/ipc_host.py [--refits 20] [--bucket-mib 512] [--out host.jsonl]
 """
@@ -26,18 +29,11 @@ and the sender's counters: ``shares_held`` must equal ``handles_opened``.
 from __future__ import annotations
 
 import argparse
-import io
-import mmap
-import os
-import pickle
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.multiprocessing import reductions
@@ -46,12 +42,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
+from benchmarks.ipc_host_parts import (
+    StandInDriver,
+    held_rebuild,
+    hold_in_torchs_cache,
+    serialize,
+    torch_rebuild,
+)
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
-from dormant.worker.ipc_counters import FILE_BYTES, HEADER_BYTES, REF_COUNTER_SLOTS, RefCounterFiles
-from dormant.worker.ipc_handles import IpcHandles
+from dormant.worker.copy_plans import CopyPlans
+from dormant.worker.ipc_payload import deserialize_payload
 from dormant.worker.ipc_receiver import IpcReceiver
-from dormant.worker.ipc_weights import FLATTENED_BUCKET, pack_flattened_bucket
+from dormant.worker.ipc_weights import FLATTENED_BUCKET, bucket_items
 from dormant.worker.refit_record import RefitRecord
 
 # The 8B-like model's layers and names, with small dimensions (every tensor a multiple of the
@@ -63,63 +66,7 @@ SMALL = {
     "torch_dtype": "bfloat16",
 }  # fmt: skip
 STAGES = ("read", "plan", "copy", "end payload")
-HANDLE = b"sender-buffer"
-
-
-class StandInDriver:
-    """Maps a handle to its CPU buffer as a new storage (``open_storage`` stands in for torch's
-    ``_new_shared_cuda``); the sender's ref-counter file is a real one, laid out as torch's, in
-    /dev/shm (where torch's are), one slot per share as ``reduce_tensor`` takes them."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = np.zeros(nbytes, dtype=np.uint8)
-        self.root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.counter_name = b"/torch_%d_ipc_host_0" % os.getpid()
-        self.path = os.path.join(self.root, self.counter_name[1:].decode())
-        with open(self.path, "wb") as file:
-            file.write(bytes(FILE_BYTES))
-        self.slots = np.memmap(self.path, np.int64, "r+", HEADER_BYTES, (REF_COUNTER_SLOTS,))
-        self.num_shared = 0
-
-    def share(self) -> int:
-        slot = self.num_shared % REF_COUNTER_SLOTS
-        self.slots[slot] = 1
-        self.num_shared += 1
-        return slot
-
-    def open_storage(self, *args: Any) -> torch.UntypedStorage:
-        return torch.from_numpy(self.buffer).untyped_storage()
-
-    def handles(self) -> IpcHandles:
-        return IpcHandles(self.open_storage, RefCounterFiles(self.root), lambda d, e: None)
-
-    def close(self) -> None:
-        os.unlink(self.path)
-
-
-class SharedBuffer:
-    """Pickles as a trainer's CUDA tensor does: ``rebuild_cuda_tensor`` and its 15 arguments."""
-
-    def __init__(self, tensor: Tensor, driver: StandInDriver) -> None:
-        self.tensor, self.counter, self.slot = tensor, driver.counter_name, driver.share()
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return reductions.rebuild_cuda_tensor, rebuild_args(self.tensor, self.counter, self.slot)
-
-
-def rebuild_args(t: Tensor, counter: bytes, slot: int, storage_cls: Any = torch.UntypedStorage):
-    return (
-        Tensor, t.shape, t.stride(), t.storage_offset(), storage_cls, t.dtype, 0, HANDLE,
-        t.untyped_storage().nbytes(), 0, False, counter, slot, b"event-handle" * 5, True,
-    )  # fmt: skip
-
-
-def serialize(driver: StandInDriver, bucket: list[tuple[str, Tensor]]) -> bytes:
-    payload = pack_flattened_bucket(torch.from_numpy(driver.buffer), bucket)
-    stream = io.BytesIO()
-    shared = SharedBuffer(payload["flattened_tensor"], driver)
-    pickle.Pickler(stream).dump({"flattened_tensor": shared, "metadata": payload["metadata"]})
-    return stream.getvalue()
+TORCH_PATH = ("rebuild", "items", "plan", "copy")  # torch_path's stages
 
 
 def pooled_model(config: ModelConfig) -> CausalLM:
@@ -222,7 +169,8 @@ def main() -> None:
         # every share's counter released once, but the opened ones' (their deleter's, on a GPU)
         shares_held=int(driver.slots[: driver.num_shared].sum()),
     )  # fmt: skip
-    for stage, values in (*stages.items(), *held_rebuild(driver).items()):
+    parts = (*held_rebuild(driver).items(), *torch_path(model, groups, driver, args.refits).items())
+    for stage, values in (*stages.items(), *parts):
         recorder.emit(
             case="ipc host stage", stage=stage, buckets=len(values),
             median_us=statistics.median(values) * 1e6, mean_us=statistics.mean(values) * 1e6,
@@ -230,50 +178,38 @@ def main() -> None:
     driver.close()
 
 
-class TorchStorage(torch.UntypedStorage):
-    """The storage class torch's own held-storage path is given, its C++ counter release as
-    ``_release_ipc_counter`` runs it per call: map the file, decrement the slot, unmap."""
-
-    root = ""
-
-    @classmethod
-    def _release_ipc_counter(cls, name: bytes, slot: int, device: Any = None) -> None:
-        fd = os.open(os.path.join(cls.root, name[1:].decode()), os.O_RDWR)
-        try:
-            os.fstat(fd)
-            with mmap.mmap(fd, FILE_BYTES) as file:
-                view = memoryview(file)[HEADER_BYTES:].cast("q")
-                view[slot] -= 1
-                view.release()
-        finally:
-            os.close(fd)
-
-
-def held_rebuild(driver: StandInDriver, calls: int = 3000) -> dict[str, list[float]]:
-    """One rebuild of a held storage (a reused buffer's every bucket but the first), torch's
-    ``rebuild_cuda_tensor`` (its cache, ``TypedStorage``, ``_rebuild_tensor``, the counter
-    release above) against ``IpcHandles``' (its map, a view, the counter in the mapped file);
-    the event wait is not in either (a driver call on the GPU)."""
-    tensor = torch.from_numpy(driver.buffer)[: 1 << 20]
-    TorchStorage.root = driver.root
-    key = (HANDLE, 0)
-    storage = tensor.untyped_storage()
-    reductions.shared_cache[key] = reductions.StorageWeakRef(storage)
-    handles = driver.handles()
-    handles.rebuild_cuda_tensor(*rebuild_args(tensor, driver.counter_name, driver.share()))
-    times: dict[str, list[float]] = {"held rebuild, torch's": [], "held rebuild, ours": []}
-    for _ in range(calls):
-        for stage, rebuild, storage_cls in (
-            ("held rebuild, torch's", reductions.rebuild_cuda_tensor, TorchStorage),
-            ("held rebuild, ours", handles.rebuild_cuda_tensor, torch.UntypedStorage),
-        ):
-            args = rebuild_args(tensor, driver.counter_name, driver.share(), storage_cls)
+def torch_path(
+    model: CausalLM, groups: list[list[str]], driver: StandInDriver, refits: int
+) -> dict[str, list[float]]:
+    """The same buckets as the receiver read them before it kept its own map and skeletons:
+    torch's ``rebuild_cuda_tensor`` on its cache (every share held), the whole pickle unpickled
+    and its metadata read every bucket (``deserialize_payload``, ``bucket_items``), then the
+    same plans and copies; the first refit builds the plans and is not timed."""
+    key, _storage = hold_in_torchs_cache(driver)
+    plans = CopyPlans()
+    stages: dict[str, list[float]] = {f"torch path: {s}": [] for s in TORCH_PATH}
+    for refit in range(refits + 1):
+        weights = new_weights(model, refit)
+        for names in groups:
+            entry = serialize(driver, [(name, weights[name]) for name in names])
             t0 = time.perf_counter()
-            rebuild(*args)
-            times[stage].append(time.perf_counter() - t0)
+            payload = deserialize_payload(entry, torch_rebuild)
+            t1 = time.perf_counter()
+            flat_bytes, items = bucket_items(payload)
+            t2 = time.perf_counter()
+            plan = plans.get(model, items)
+            t3 = time.perf_counter()
+            with torch.no_grad():
+                for step in plan.steps:
+                    step.run(flat_bytes)
+            t4 = time.perf_counter()
+            del payload, flat_bytes
+            if refit:
+                seconds = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                for sink, value in zip(stages.values(), seconds, strict=True):
+                    sink.append(value)
     del reductions.shared_cache[key]
-    handles.release()
-    return times
+    return stages
 
 
 if __name__ == "__main__":
