@@ -101,8 +101,9 @@ class PayloadSkeletons:
                     "arguments; nothing was written"
                 )
             if skeleton.matches(memo):
+                bucket = skeleton.items(flat)
                 self.num_hits += 1
-                return skeleton.items(flat)
+                return bucket
             first = flat  # read in full below, without rebuilding it again
         self.num_misses += 1
         calls = _Counting(rebuild, first)

@@ -143,3 +143,14 @@ def test_at_most_max_skeletons_are_kept(driver, monkeypatch) -> None:
     assert (skeletons.num_hits, skeletons.num_misses) == (1, 3)
     again("x")  # the oldest went when z was kept
     assert (skeletons.num_hits, skeletons.num_misses) == (1, 4)
+
+
+def test_a_kept_layout_is_checked_against_each_buffers_length(driver) -> None:
+    skeletons, handles = PayloadSkeletons(), driver.handles()
+    full = element_bucket(driver, torch.float32, b"e1")
+    read(skeletons, handles, full)
+    short = full.replace(b"K`", b"K\x10", 1)  # the buffer's 96 elements (BININT1 96) as 16
+    assert ipc_skeletons._split(short)[2:] == ipc_skeletons._split(full)[2:]  # type: ignore[index]
+    with pytest.raises(WeightTransferError, match="does not hold"):
+        skeletons.read(short, handles.rebuild_cuda_tensor)
+    assert skeletons.num_hits == 0 and skeletons.num_misses == 1  # found, but it did not fit
