@@ -46,16 +46,12 @@ def test_the_skinny_gemv_in_the_triton_interpreter() -> None:
     ("architecture", "extra"),
     [("Qwen3MoeForCausalLM", _MOE), ("Qwen3ForCausalLM", {}), ("LlamaForCausalLM", {})],
 )
-def test_only_the_moe_models_attention_projections_opt_in(architecture: str, extra) -> None:
-    """The dense models' numerics stay cuBLAS's: no layer of theirs opts in; the MoE model's
-    QKV and O projections do, and nothing else of it (the router runs triton_router)."""
+def test_no_model_opts_in_by_default(architecture: str, extra) -> None:
+    """Every model's numerics stay cuBLAS's unless a layer opts in: the skinny GEMV measured
+    slower than cuBLAS at batch 1 on the H200 (2026-12-02c run 5), so no model does."""
     config = ModelConfig.from_dict({**_TINY, **extra, "architectures": [architecture]})
     with torch.device("meta"):
         model = build_model(config)
-    opted = {name for name, m in model.named_modules()
-             if isinstance(m, LinearBase) and m.is_skinny_gemv}  # fmt: skip
-    if architecture != "Qwen3MoeForCausalLM":
-        assert not opted
-        return
-    expected = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("qkv_proj", "o_proj")}
-    assert opted == expected
+    opted = [name for name, m in model.named_modules()
+             if isinstance(m, LinearBase) and m.is_skinny_gemv]  # fmt: skip
+    assert opted == []

@@ -66,6 +66,9 @@ counted("router_topk", qwen3_moe)
 counted("skinny_linear", linear)
 for module in (linear, moe, qwen3_moe):
     module.use_triton = lambda x: True
+for layer in model.model.layers:  # the skinny GEMV is opt-in per layer
+    layer.self_attn.qkv_proj.enable_skinny_gemv()
+    layer.self_attn.o_proj.enable_skinny_gemv()
 ours = PagedRunner(model, 1, 32, 4)
 for prompt, logits in zip(prompts, expected):
     torch.testing.assert_close(ours.step(prompt)[0], logits, rtol=1e-4, atol=1e-4)
