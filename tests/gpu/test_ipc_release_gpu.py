@@ -59,4 +59,5 @@ def test_every_share_is_released_and_the_weights_arrive(mode: str) -> None:
         conn.send("stop")
     finally:
         sender.join(timeout=60)
+        model.memory.close()  # frees the device's manager slot for the next test
     torch.cuda.empty_cache()
