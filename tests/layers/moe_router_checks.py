@@ -108,9 +108,19 @@ def check_random_routing(shape, dtype: torch.dtype, renormalize: bool, device: s
     own_weights, own_ids = topk_softmax(logits, top_k, renormalize)
     assert torch.equal(ids, own_ids) and torch.equal(weights, own_weights)
     ref_weights, ref_ids = select_experts(today, top_k, renormalize)
-    assert torch.equal(ids[is_clear], ref_ids[is_clear]), (ids, ref_ids, is_clear)
+    # The same experts; two whose bf16 logits tie within the GEMV's unit may come in either
+    # order (the H200, 2026-12-02c run 6), which changes nothing the experts compute: compare
+    # by expert id.
+    ids, weights = _by_id(ids[is_clear], weights[is_clear])
+    ref_ids, ref_weights = _by_id(ref_ids[is_clear], ref_weights[is_clear])
+    assert torch.equal(ids, ref_ids), (ids, ref_ids)
     # a probability moves by at most p * (e^(2 units) - 1): 4 units covers both roundings
-    torch.testing.assert_close(weights[is_clear], ref_weights[is_clear], rtol=8 * unit, atol=1e-6)
+    torch.testing.assert_close(weights, ref_weights, rtol=8 * unit, atol=1e-6)
+
+
+def _by_id(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids.argsort(dim=-1)
+    return ids.gather(-1, order), weights.gather(-1, order)
 
 
 def check_nan_rows_route_to_real_experts(device: str) -> None:
