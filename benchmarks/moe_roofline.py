@@ -14,11 +14,14 @@ touches most of the 128 experts of a layer, batch 1 exactly 8.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from benchmarks.decode import decode_step as dense_decode_step
 from benchmarks.decode import time_steps
 from dormant import SamplingParams
-from dormant.core.step_input import SeqInput, StepInput
+from dormant.core.step_input import StepInput
 from dormant.layers.moe import FusedMoE
 from dormant.layers.moe_reference import select_experts
 from dormant.models import CausalLM
@@ -29,15 +32,15 @@ __all__ = ["count_routed_experts", "decode_step", "fill_kv_cache", "step_bytes",
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def decode_step(batch_size: int, context: int, block_size: int, blocks_per_seq: int) -> StepInput:
-    """One decode token per sequence at position ``context``, each a different token (so the
-    sequences route differently), each with its own blocks."""
-    seqs = []
-    for i in range(batch_size):
-        table = tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        token = 1000 + 7919 * i % 100000
-        seqs.append(SeqInput((token,), context, table, GREEDY, seed=i, num_output_tokens=1))
-    return StepInput(tuple(seqs), is_prefill=False)
+def decode_step(batch_size: int, context: int, block_size: int, num_kv_blocks: int) -> StepInput:
+    """``benchmarks/decode.py``'s decode step (each sequence the blocks its context needs, of the
+    ``num_kv_blocks`` the cache holds; raises when the batch does not fit), with a different
+    token per sequence, so the sequences route differently."""
+    step = dense_decode_step(batch_size, context, block_size, num_kv_blocks, GREEDY)
+    seqs = tuple(
+        replace(seq, token_ids=(1000 + 7919 * i % 100000,)) for i, seq in enumerate(step.seqs)
+    )
+    return replace(step, seqs=seqs)
 
 
 @torch.no_grad()

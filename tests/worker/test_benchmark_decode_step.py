@@ -29,3 +29,16 @@ def test_a_multi_step_call_gets_the_blocks_of_its_later_positions_and_its_params
     step = decode_step(4, 767, 16, num_kv_blocks=1000, params=params, num_steps=4)
     # positions 767 .. 770: 771 positions in blocks of 16
     assert all(len(seq.block_table) == 49 and seq.params is params for seq in step.seqs)
+
+
+def test_the_moe_step_fits_the_cache_and_routes_each_sequence_differently() -> None:
+    """Regression: benchmarks/moe.py passed the cache's block count where moe_roofline's step
+    took blocks per sequence, so every table was the whole cache (an index past the input
+    buffers' width on the H200, 2026-12-02c run 5)."""
+    from benchmarks.moe_roofline import decode_step as moe_decode_step
+
+    step = moe_decode_step(64, 512, 16, num_kv_blocks=5000)
+    assert all(len(seq.block_table) == 33 for seq in step.seqs)  # 513 positions in blocks of 16
+    assert len({seq.token_ids for seq in step.seqs}) == 64
+    with pytest.raises(ValueError, match="KV blocks"):
+        moe_decode_step(64, 512, 16, num_kv_blocks=2000)
