@@ -8,8 +8,10 @@ flags). So it is residual no sleep of the tags can free: on the H200, in a fresh
 (``benchmarks/residual_sources.py``, 2026-12-02c run 2), the first torch kernel grew the process's
 device memory by 92 MiB, the first cuBLAS GEMM by 66 MiB and the first graph by 70 MiB, none of it
 torch's or the tags'; setting the per-thread stack limit to 0 gave back 264 MiB, more than all
-three, and torch kernels and GEMMs launched after it ran, the driver growing the reservation
-again only as far as a launch needs.
+three, and torch kernels and GEMMs launched after it ran. The driver API documents why that is
+safe: it "automatically increases the per-thread stack size for each kernel launch as needed",
+and setting the limit "will take effect immediately, and if necessary, the device will block
+until all preceding requested tasks are complete" (``cuCtxSetLimit``).
 
 ``LocalMemory.release`` (at sleep, after everything else) sets ``CU_LIMIT_STACK_SIZE`` to 0 and
 measures what the device got back; ``restore`` (at the first wake) sets the limit the context had
