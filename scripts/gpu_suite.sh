@@ -57,23 +57,23 @@ fi
 if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 minutes
   python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
-  for probe in wake_after_release first_sleep kv_release engine_wake; do
+  for probe in wake_after_release first_sleep kv_release engine_wake residual_sources engine_succession; do
     extra=$([[ $probe == wake_after_release ]] && echo --engine)
     python3 benchmarks/$probe.py $extra --out "$OUT/$probe.jsonl" 2>&1 | tee "$OUT/$probe.log"
     status=$((status | PIPESTATUS[0]))
   done
 fi
-if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 8 min
-  # the multi-step host-work cuts (benchmarks/host_overhead.py --multi-steps) and the rollout's
-  # compute-bound column, in the full rollout; then a profile of its sampled 4-step call at
-  # batch 512 (the sampler's and logprobs' kernels, the host's share); then the residual
-  python3 benchmarks/rollout.py --multi-steps 4 --out "$OUT/rollout-ms4.jsonl" 2>&1 | tee "$OUT/rollout-ms4.log"
+if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
+  # the IPC GPU tests after the release test's fix, the fused router's checks by expert id, the
+  # MoE step with the skinny GEMV off (moe.py's decode step fixed), and the memory layer against
+  # torch_memory_saver with the local-memory release in every sleep
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_ipc_release_gpu.py \
+    tests/gpu/test_ipc_reuse_gpu.py tests/gpu/test_ipc_refit_gpu.py tests/worker/test_ipc_weights.py \
+    tests/frameworks/test_slime_calls.py tests/gpu/test_triton_moe.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/decode_profile.py --batch-size 512 --context 768 --top 25 \
-    --multi-steps 4 --sampled --out "$OUT/profile-b512-ms4.jsonl" 2>&1 | tee "$OUT/profile-b512-ms4.log"
+  python3 benchmarks/moe.py --layers 12 --skip-peer --skip-sorted --out "$OUT/moe.jsonl" 2>&1 | tee "$OUT/moe.log"
   status=$((status | PIPESTATUS[0]))
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_residual.py \
-    tests/gpu/test_residual_release.py 2>&1 | tee "$OUT/residual-gpu-tests.log"
+  python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
