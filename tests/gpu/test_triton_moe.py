@@ -131,14 +131,7 @@ def test_the_routing_and_experts_replay_in_a_cuda_graph(shape) -> None:
         weights, ids = topk_softmax(static_logits, shape[2], True)
         return fused_experts(static_x, w13, w2, weights, ids)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = _captured(run)
     for seed in (1, 2):
         new_x, _, _, new_logits = _inputs(shape, torch.bfloat16, seed=seed)
         static_x.copy_(new_x)
@@ -184,14 +177,7 @@ def test_the_fused_router_and_experts_replay_in_a_cuda_graph(num_tokens: int) ->
             outs += [ids, fused_experts(static_x, w13, w2, weights, ids)]
         return outs
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run()
+    graph, outs = _captured(run)
     generator = torch.Generator("cuda").manual_seed(1)
     for seed in range(1, 21):
         static_x.copy_(torch.randn(x.shape, device="cuda", generator=generator).bfloat16())
@@ -284,3 +270,16 @@ def test_an_opted_in_layer_runs_the_skinny_gemv_at_decode_sizes_only() -> None:
         expected = skinny_linear(x, layer.weight, layer.bias) if is_skinny else cublas
         assert torch.equal(layer(x), expected), num_tokens
         layer.is_skinny_gemv = False
+
+
+def _captured(run):
+    """``run`` warmed up on a side stream, then captured: (the graph, its outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
