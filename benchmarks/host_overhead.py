@@ -21,14 +21,16 @@ thread, and CPU time leaves out the moments another process held the core, so fi
 busy machine still compare. Prints one JSON line per measurement (median, min, max over the
 timed steps) and a table.
 
-``--multi-steps k`` times the worker's decode-graph path instead (worker level only): the
-runner gets ``DecodeGraphs`` of one batch size (the batch's), "captured" with the CPU
-stand-ins (``worker/eager_graphs.py``) whose replay runs the graph's body eagerly. Each call is
+``--multi-steps k`` times the decode-graph path instead: the runner gets ``DecodeGraphs`` of
+one batch size (the batch's), "captured" with the CPU stand-ins (``worker/eager_graphs.py``)
+whose replay runs the graph's body eagerly. At the worker level each call is
 ``execute_multi_step(step)`` (k > 1: the fused k-step graph, what ``benchmarks/rollout.py
 --multi-steps k`` times on the H200) or ``execute(step)`` (k = 1: the full graph, then the
-sampler), its step advanced k tokens. The whole replay is timed and subtracted (on a GPU it is
-one launch), so what is left is the load of the inputs and sampling rows, the host copy and
-the step output; ``median_us`` is per call, ``per_step_us`` per decode step.
+sampler), its step advanced k tokens. At the engine level the worker reports the graphs'
+batch to the engine as a GPU worker does, so each ``LLMEngine.step()`` is one such call and
+the engine's work around it (schedule, step input, ``postprocess_steps`` and the outputs of k
+tokens per row). The whole replay is timed and subtracted (on a GPU it is one launch), so
+what is left is host work; ``median_us`` is per call, ``per_step_us`` per decode step.
 
 Usage: python benchmarks/host_overhead.py [--batch-sizes 1 64 128] [--context 1024]
        [--steps 40] [--level worker|engine|both] [--multi-steps k] [--profile]
@@ -65,6 +67,7 @@ from dormant.models import ModelConfig
 from dormant.worker.cuda_graphs import DecodeGraphs
 from dormant.worker.eager_graphs import capture_eagerly, num_replays
 from dormant.worker.model_runner import ModelRunner
+from dormant.worker.worker import Worker
 
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "vocab_size": 264, "hidden_size": 64,
@@ -139,17 +142,36 @@ def host_times(
     return times
 
 
-def make_llm(batch_size: int, context: int, num_steps: int, multi_steps: int = 1) -> LLM:
+def make_llm(
+    batch_size: int, context: int, num_steps: int, multi_steps: int = 1, graphs: bool = False
+) -> LLM:
+    """The tiny engine, eager; with ``graphs`` its worker gets decode graphs of the batch size
+    (CPU stand-ins, ``install_graphs``) when its KV cache is made and reports their multi-step
+    batch, so the scheduler plans ``multi_steps``-step decode batches as on a GPU."""
     num_positions = context + (num_steps + WARMUP_STEPS + 1) * multi_steps
     max_model_len = 1 << (num_positions + batch_size + 64).bit_length()
-    return LLM(
-        ModelConfig.from_dict(TINY_QWEN3),
+    options = dict(
         max_model_len=max_model_len,
         max_num_seqs=max(batch_size, 1),
         max_num_batched_tokens=max(max_model_len, 4096),
         kv_cache_memory_bytes=max(batch_size, 8) * max_model_len * 2 * 2 * 16 * 4 + (8 << 20),
         enforce_eager=True,
+        cuda_graph_multi_steps=multi_steps,
     )
+    if not graphs:
+        return LLM(ModelConfig.from_dict(TINY_QWEN3), **options)
+    init_kv_cache = Worker.init_kv_cache
+
+    def init_with_graphs(worker: Worker, num_blocks: int) -> int:
+        init_kv_cache(worker, num_blocks)
+        install_graphs(worker.runner, batch_size, multi_steps)
+        return batch_size if multi_steps > 1 else 0
+
+    Worker.init_kv_cache = init_with_graphs  # type: ignore[method-assign]
+    try:
+        return LLM(ModelConfig.from_dict(TINY_QWEN3), **options)
+    finally:
+        Worker.init_kv_cache = init_kv_cache  # type: ignore[method-assign]
 
 
 def worker_case(
@@ -236,11 +258,24 @@ def install_graphs(runner: ModelRunner, batch_size: int, multi_steps: int) -> De
 
 
 def engine_case(
-    batch_size: int, context: int, num_steps: int, stub: bool, profile: bool, gc_freeze: bool
+    batch_size: int,
+    context: int,
+    num_steps: int,
+    stub: bool,
+    profile: bool,
+    gc_freeze: bool,
+    multi_steps: int | None = None,
 ) -> Timed:
-    llm = make_llm(batch_size, context, num_steps)
+    """``LLMEngine.step()`` of decode batches. ``multi_steps`` k: the worker's decode graphs
+    (CPU stand-ins, their replays subtracted), each step a fused k-step call
+    (``execute_multi_step``; k = 1: the full graph's ``execute``)."""
+    k = multi_steps or 1
+    llm = make_llm(batch_size, context, num_steps, k, graphs=multi_steps is not None)
     engine = llm.llm_engine
-    timer = ForwardTimer(engine.executor.worker.runner.model, stub)  # type: ignore[attr-defined]
+    runner = engine.executor.worker.runner  # type: ignore[attr-defined]
+    timer = ForwardTimer(runner.model, stub, graphs=multi_steps is not None)
+    if multi_steps is not None:
+        timer.time_replays(runner.graphs)
     max_tokens = engine.config.max_model_len - context  # past the steps of every prefill
     for i in range(batch_size):
         prompt = [(7 * i + 13 * j) % 250 + 3 for j in range(context)]
@@ -254,7 +289,13 @@ def engine_case(
         engine.step()
     if engine.scheduler.num_running != batch_size:
         raise RuntimeError(f"{engine.scheduler.num_running} of {batch_size} requests running")
+    captured = runner.graphs
+    graphs = {} if captured is None else captured.multi_step if k > 1 else captured.full
+    replays_before = num_replays(graphs)
     timed = _maybe_profiled(profile, lambda: host_times(engine.step, timer, num_steps), gc_freeze)
+    replays = num_replays(graphs) - replays_before
+    if multi_steps is not None and replays != num_steps:  # none fell back to eager steps
+        raise RuntimeError(f"{replays} graph replays for {num_steps} steps")
     engine.shutdown()
     return timed
 
@@ -296,7 +337,7 @@ def main() -> None:
     parser.add_argument("--forward", choices=("stub", "model"), default="stub")
     parser.add_argument(
         "--multi-steps", type=int, default=None,
-        help="time the decode-graph path, k steps per call (worker level; see the docstring)",
+        help="time the decode-graph path, k steps per call (see the docstring)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
@@ -305,8 +346,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.multi_steps is not None and (args.multi_steps < 1 or args.level != "worker"):
-        parser.error("--multi-steps k needs k >= 1 and --level worker")
+    if args.multi_steps is not None and (args.multi_steps < 1 or args.level == "both"):
+        parser.error("--multi-steps k needs k >= 1 and --level worker or engine")
     torch.set_num_threads(1)  # the host path is single-threaded; keep the forward's noise low
     rec = Recorder(args.out)
     chosen = ["worker", "engine"] if args.level == "both" else [args.level]
@@ -322,8 +363,9 @@ def main() -> None:
                 )  # fmt: skip
             else:
                 timed = engine_case(
-                    batch_size, args.context, args.steps, stub, profile, args.gc_freeze
-                )
+                    batch_size, args.context, args.steps, stub, profile, args.gc_freeze,
+                    args.multi_steps,
+                )  # fmt: skip
             times = timed.times
             median = statistics.median(times)
             rec.emit(

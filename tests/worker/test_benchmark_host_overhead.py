@@ -9,7 +9,8 @@ import gc
 
 import pytest
 
-from benchmarks.host_overhead import worker_case
+from benchmarks.host_overhead import engine_case, worker_case
+from dormant.worker.worker import Worker
 
 
 @pytest.mark.parametrize("multi_steps", [None, 1, 4])
@@ -22,3 +23,13 @@ def test_worker_case_times_each_call(multi_steps: int | None) -> None:
 def test_worker_case_freezes_the_set_up_only_while_timing() -> None:
     worker_case(4, 16, 2, stub=True, profile=False, multi_steps=4, gc_freeze=True)
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("multi_steps", [None, 1, 4])
+def test_engine_case_times_each_step_on_its_path(multi_steps: int | None) -> None:
+    """Each timed ``LLMEngine.step()`` replays the graph of its kind (``engine_case`` raises
+    when a step ran eagerly), and the worker's ``init_kv_cache`` is restored after the set-up."""
+    init_kv_cache = Worker.init_kv_cache
+    timed = engine_case(4, 16, 3, True, False, False, multi_steps)
+    assert len(timed.times) == 3 and all(t > 0 for t in timed.times)
+    assert Worker.init_kv_cache is init_kv_cache
