@@ -203,15 +203,16 @@ class BlockManager:
             raise BlockOwnershipError(f"{seq!r} holds no blocks; allocate it first")
         self._take_blocks(seq, self._num_missing(seq, num_tokens))
 
-    def grow_all(self, seqs: SequenceOf[Sequence]) -> bool:
-        """``grow(seq, seq.num_tokens)`` for each of ``seqs`` in turn (the same blocks), with one
-        free-block count for all, when they all fit; else (or if one holds no blocks) returns
-        False, changing nothing."""
+    def grow_all(self, seqs: SequenceOf[Sequence], num_lookahead: int = 0) -> bool:
+        """``grow(seq, seq.num_tokens + num_lookahead)`` for each of ``seqs`` in turn (the same
+        blocks), with one free-block count for all, when they all fit; else (or if one holds no
+        blocks) returns False, changing nothing."""
         block_size, missing = self.block_size, []
         for seq in seqs:
             if not seq.block_table:
                 return False
-            missing.append(-(-seq.num_tokens // block_size) - len(seq.block_table))
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids) + num_lookahead
+            missing.append(-(-num_tokens // block_size) - len(seq.block_table))
         if sum(m for m in missing if m > 0) > self.num_free_blocks:
             return False
         for seq, num_missing in zip(seqs, missing, strict=True):

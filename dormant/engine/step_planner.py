@@ -251,17 +251,16 @@ class StepPlanner:
         num_steps, config = self.config.num_decode_steps, self.config
         if num_steps == 1 or self.waiting or len(seqs) > config.max_multi_step_seqs:
             return 1
-        for seq in seqs:
-            if seq.num_tokens + num_steps - 1 > config.max_model_len:
+        max_model_len = config.max_model_len
+        for seq in seqs:  # (once per row per step: each count read once)
+            num_outputs = seq.num_output_tokens
+            if seq.num_prompt_tokens + num_outputs + num_steps - 1 > max_model_len:
                 return 1
-            if stopping.max_tokens(seq, config.max_model_len) - seq.num_output_tokens < num_steps:
+            if stopping.max_tokens(seq, max_model_len) - num_outputs < num_steps:
                 return 1
-        lookahead = num_steps - 1
-        missing = sum(self.block_manager.num_missing_blocks(seq, lookahead) for seq in seqs)
-        if missing > self.block_manager.num_free_blocks:
+        # Every row's blocks up to its lookahead, taken only when all fit (one count for all).
+        if not self.block_manager.grow_all(seqs, num_steps - 1):
             return 1
-        for seq in seqs:
-            self.block_manager.append_block_if_needed(seq, lookahead)
         return num_steps
 
 

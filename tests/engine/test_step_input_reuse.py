@@ -4,6 +4,8 @@ reuses between steps (``Sequence.block_table_tuple``), and the block manager's b
 
 from __future__ import annotations
 
+import pytest
+
 from dormant import SamplingParams
 from dormant.engine.batch import ScheduledBatch
 from dormant.engine.block_manager import BlockManager
@@ -40,16 +42,18 @@ def test_a_freed_and_refilled_table_of_the_same_length_is_sent_anew() -> None:
     assert _sent_table(seq) == (1,)
 
 
-def test_grow_all_takes_the_blocks_grow_takes_one_by_one() -> None:
-    batch, single = BlockManager(16, 4), BlockManager(16, 4)
+@pytest.mark.parametrize("lookahead", [0, 3, 5])
+def test_grow_all_takes_the_blocks_grow_takes_one_by_one(lookahead: int) -> None:
+    """With ``num_lookahead`` (a multi-step decode's extra positions) as well."""
+    batch, single = BlockManager(24, 4), BlockManager(24, 4)
     seqs = {m: [_seq(i, 4 + 3 * i) for i in range(4)] for m in ("batch", "single")}
     for manager, group in ((batch, seqs["batch"]), (single, seqs["single"])):
         for seq in group:
             manager.allocate(seq)
             seq.append_token(7)
-    assert batch.grow_all(seqs["batch"])
+    assert batch.grow_all(seqs["batch"], lookahead)
     for seq in seqs["single"]:
-        single.grow(seq, seq.num_tokens)
+        single.append_block_if_needed(seq, lookahead)
     assert [s.block_table for s in seqs["batch"]] == [s.block_table for s in seqs["single"]]
     assert batch.num_free_blocks == single.num_free_blocks
     batch.check_invariant(seqs["batch"])
@@ -65,3 +69,5 @@ def test_grow_all_changes_nothing_when_the_blocks_run_short() -> None:
     assert not manager.grow_all(seqs)
     assert [s.block_table for s in seqs] == tables
     assert manager.num_free_blocks == 1  # the first would fit alone: nothing was taken
+    assert not manager.grow_all(seqs[:1], 5)  # two more blocks with the lookahead
+    assert [s.block_table for s in seqs] == tables and manager.num_free_blocks == 1
