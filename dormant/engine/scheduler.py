@@ -212,11 +212,13 @@ class Scheduler:
                 seq.num_draft_computed_tokens = num_draft_computed
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a chunk of its prompt: what it sampled is not a token of it
+            # Per token (up to num_steps a row): Sequence's properties read directly.
+            num_prompt, outputs = len(seq.prompt_token_ids), seq.output_token_ids
             for token_id in tokens:
-                if seq.is_finished:
+                if seq.status is SequenceStatus.FINISHED:
                     break
-                seq.num_computed_tokens = seq.num_tokens
-                seq.append_token(token_id)
+                seq.num_computed_tokens = num_prompt + len(outputs)  # its num_tokens
+                outputs.append(token_id)  # append_token: the check above is its own
                 if self._apply_stops(seq, token_id, on_token):
                     finished.append(seq)
         if finished:
