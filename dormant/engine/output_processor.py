@@ -121,15 +121,16 @@ class OutputProcessor:
         """The scheduler's ``TokenHook``: appends the token's text; returns the stop string
         the text now ends with (and cuts the text there), else None."""
         state, sample = self._sample_of_seq[seq.seq_id]
-        params = state.params
-        if sample.decoder is None:
+        decoder = sample.decoder
+        if decoder is None:
             return None
-        num_chars_before = len(sample.text)
+        params, stops = state.params, state.stop_strings
+        num_chars_before = len(sample.text) if stops else 0
         if not is_stop_token or params.include_stop_str_in_output:
-            sample.text += sample.decoder.step(token_id)
-        if not state.stop_strings or seq.num_output_tokens <= params.min_tokens:
+            sample.text += decoder.step(token_id)
+        if not stops or seq.num_output_tokens <= params.min_tokens:
             return None
-        return _cut_at_stop_string(sample, num_chars_before, state.stop_strings, params)
+        return _cut_at_stop_string(sample, num_chars_before, stops, params)
 
     def record_step(
         self, seqs: SequenceOf[Sequence], outputs: SequenceOf[SeqOutput], num_before: list[int]
@@ -213,8 +214,10 @@ class OutputProcessor:
             positions = self._positions.sampled(state.request_id, num, token_ids, entries)
             values = [entry.logprobs[0] for entry in entries]
         sample.logprobs += positions
+        total = sample.cumulative_logprob
         for value in values:  # one addition per token, in order, as vLLM sums them
-            sample.cumulative_logprob += value
+            total += value
+        sample.cumulative_logprob = total
 
     def _record_prompt_logprobs(
         self, state: RequestState, entries: SequenceOf[TokenLogprobs]
