@@ -24,12 +24,16 @@ nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from dormant.memory.cuda_driver import call, driver
+from dormant.memory.errors import DriverError
+
+logger = logging.getLogger("dormant.memory")
 
 
 @dataclass(frozen=True)
@@ -55,16 +59,21 @@ class LocalMemory:
         return self._saved_limit is not None
 
     def release(self) -> LocalMemoryRelease | None:
-        """Drops the reservation (the stack limit to 0); returns what came back, None off CUDA
-        or when it is already released."""
+        """Drops the reservation (the stack limit to 0); returns what came back, None off CUDA,
+        when it is already released, or when the driver refuses (logged: the sleep itself
+        succeeded, only the reservation stays)."""
         if not self.is_cuda or self.is_released or not torch.cuda.is_initialized():
             return None
         with torch.cuda.device(self.device):
             start = time.perf_counter()
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
-            limit = _stack_limit()
-            _set_stack_limit(0)
+            try:
+                limit = _stack_limit()
+                _set_stack_limit(0)
+            except DriverError as error:
+                logger.warning("the CUDA context's local memory stays reserved: %s", error)
+                return None
             self._saved_limit = limit
             freed = torch.cuda.mem_get_info()[0] - free_before
         self.last_release = LocalMemoryRelease(limit, freed, time.perf_counter() - start)
@@ -74,9 +83,12 @@ class LocalMemory:
         """Sets the stack limit the context had before ``release`` (nothing if not released)."""
         if self._saved_limit is None:
             return
+        limit, self._saved_limit = self._saved_limit, None
         with torch.cuda.device(self.device):
-            _set_stack_limit(self._saved_limit)
-        self._saved_limit = None
+            try:
+                _set_stack_limit(limit)
+            except DriverError as error:  # launches still grow the stack as they need it
+                logger.warning("the stack limit %d B could not be set again: %s", limit, error)
 
 
 def _stack_limit() -> int:

@@ -10,6 +10,7 @@ from unittest import mock
 import torch
 
 from dormant.memory import local_memory
+from dormant.memory.errors import DriverError
 from dormant.memory.local_memory import LocalMemory
 
 MiB = 1 << 20
@@ -58,6 +59,24 @@ def test_release_then_restore_sets_the_limit_to_zero_and_back() -> None:
         memory.restore()  # not released: nothing to restore
     assert context.calls == [0, 24]
     assert memory.last_release == release  # reported until the next sleep
+
+
+def test_a_driver_refusal_is_logged_and_changes_nothing(caplog) -> None:
+    context = FakeContext(limit=24)
+
+    def refuse(nbytes: int) -> None:
+        raise DriverError("cuCtxSetLimit failed: CUDA_ERROR_INVALID_VALUE")
+
+    memory = LocalMemory(torch.device("cuda", 0))
+    with on_a_fake_gpu(context), mock.patch.object(local_memory, "_set_stack_limit", refuse):
+        assert memory.release() is None
+    assert not memory.is_released and memory.last_release is None
+    assert "stays reserved" in caplog.text
+    with on_a_fake_gpu(context):
+        memory.release()
+    with on_a_fake_gpu(context), mock.patch.object(local_memory, "_set_stack_limit", refuse):
+        memory.restore()  # logged; the next sleep may release again
+    assert not memory.is_released and "could not be set again" in caplog.text
 
 
 def test_nothing_happens_off_cuda() -> None:
