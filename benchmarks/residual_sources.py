@@ -14,7 +14,7 @@ modules, handles, graph executables):
   the per-module cost;
 - ``graph capture``: a CUDA graph of the GEMMs above, instantiated;
 - ``engine warm-up``: the residual benchmark's small Qwen3 with FULL and 4-step graphs
-  (``benchmarks/residual.py``'s model), and how many Triton kernels it compiled.
+  (``benchmarks/residual.py``'s model).
 
     python benchmarks/residual_sources.py [--out results.jsonl]
 """
@@ -85,7 +85,7 @@ def triton_variants(count: int) -> int:
     return count
 
 
-def engine_warm_up() -> dict[str, Any]:
+def engine_warm_up() -> None:
     from benchmarks.residual import SMALL_QWEN3
     from dormant import LLM, SamplingParams
     from dormant.models import ModelConfig
@@ -96,32 +96,7 @@ def engine_warm_up() -> dict[str, Any]:
     )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate([[11, 12, 13]] * 4, params, use_tqdm=False)
-    compiled = count_triton_kernels()
     llm.shutdown()
-    return compiled
-
-
-def count_triton_kernels() -> dict[str, Any]:
-    """The number of compiled variants of every Triton kernel dormant defines, by kernel."""
-    import importlib
-    import pkgutil
-
-    from triton.runtime.jit import JITFunction
-
-    import dormant.layers
-
-    counts: dict[str, int] = {}
-    for info in pkgutil.iter_modules(dormant.layers.__path__):
-        module = importlib.import_module(f"dormant.layers.{info.name}")
-        for name, value in vars(module).items():
-            fn = getattr(value, "fn", value)  # autotuned or heuristics wrappers
-            while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
-                fn = fn.fn
-            if isinstance(fn, JITFunction):
-                n = sum(len(cache[0]) for cache in fn.device_caches.values())
-                if n:
-                    counts[f"{info.name}.{name}"] = n
-    return {"triton_variants": sum(counts.values()), "by_kernel": counts}
 
 
 def limits() -> dict[str, int]:
@@ -192,8 +167,8 @@ def main() -> None:
         gc.collect()
         meter.step(f"graph of {nodes} nodes destroyed")
 
-    compiled = engine_warm_up()
-    meter.step("engine warm-up and shutdown (small Qwen3, FULL + 4-step graphs)", **compiled)
+    engine_warm_up()
+    meter.step("engine warm-up and shutdown (small Qwen3, FULL + 4-step graphs)")
     meter.step("limits after the engine", **limits())
     trials = (("CU_LIMIT_STACK_SIZE", 1024), ("CU_LIMIT_STACK_SIZE", 0),
               ("CU_LIMIT_MALLOC_HEAP_SIZE", 0), ("CU_LIMIT_PRINTF_FIFO_SIZE", 0))  # fmt: skip
