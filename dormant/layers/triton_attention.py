@@ -34,15 +34,20 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dormant.layers.context import AttentionMetadata
 from dormant.layers.triton_paged import attend_tile
+from dormant.layers.triton_pdl import use_pdl
 
 BLOCK_N = 64  # positions per tile
 MAX_NUM_SPLITS = 32
 # Split programs a launch aims at, per SM: a batch with this many (sequence, kv head) pairs per
 # SM is not split at all.
 PROGRAMS_PER_SM = 8
+# Batch 1 only: launch both kernels with programmatic dependent launch (triton_pdl.py), so each
+# launch hides behind the kernel before it. Measured by benchmarks/moe_b1_sweep.py; set here.
+USE_PDL_AT_BATCH_1 = False
 
 
 @triton.jit
@@ -54,8 +59,11 @@ def _split_kernel(
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # q and the new token's KV are the previous kernels'; then the merge may launch
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -104,29 +112,34 @@ def _split_kernel(
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_o_seq, stride_o_head,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # the partials are the split kernel's
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"),
+                  cache_modifier=".cg")  # fmt: skip
     weight = tl.exp(lse - tl.max(lse, axis=0))  # split 0 is never empty: the max is finite
     partial = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=(weight > 0)[:, None], other=0.0)  # fmt: skip
+                      mask=(weight > 0)[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
     out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
     o_offsets = seq * stride_o_seq + head * stride_o_head + d
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty))
 
 
 def plan_splits(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, wanted: int | None = None
 ) -> tuple[int, int]:
     """(splits, positions per split) of a decode launch: about ``PROGRAMS_PER_SM`` programs
-    per SM, at most ``MAX_NUM_SPLITS`` splits of whole tiles covering ``max_seq_len``; one
-    split when the batch's (sequence, kv head) pairs reach that count alone."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+    per SM (or ``wanted`` splits), at most ``MAX_NUM_SPLITS`` splits of whole tiles covering
+    ``max_seq_len``; one split when the batch's (sequence, kv head) pairs reach that count
+    alone."""
+    if wanted is None:
+        wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
     max_tiles = triton.cdiv(max_seq_len, BLOCK_N)
     num_splits = max(1, min(wanted, MAX_NUM_SPLITS, max_tiles))
     length = triton.cdiv(max_tiles, num_splits) * BLOCK_N
@@ -148,18 +161,24 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    *,
+    wanted_splits: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``query`` ``[num_seqs, num_heads, head_dim]`` (one token per sequence) → same shape.
 
     Preconditions: decode (``meta.max_query_len == 1``); ``1 <= seq_lens <= meta.max_seq_len``;
-    ``head_dim`` a power of two, at least 16. Any block size.
+    ``head_dim`` a power of two, at least 16. Any block size. For tuning: ``wanted_splits``
+    overrides ``plan_splits``' count, ``pdl`` ``USE_PDL_AT_BATCH_1`` (batch 1 only; off where
+    the device has no PDL).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     num_splits, length = plan_splits(
-        num_seqs, num_kv_heads, meta.max_seq_len, num_sms(query.device)
+        num_seqs, num_kv_heads, meta.max_seq_len, num_sms(query.device), wanted_splits
     )
+    is_pdl = num_seqs == 1 and use_pdl(pdl, USE_PDL_AT_BATCH_1, query.device)
     out = torch.empty_like(query)
     if num_splits == 1:  # the split kernel writes ``out``; no partials, no merge
         part_out, part_lse = out, out
@@ -178,13 +197,14 @@ def paged_decode_attention(
         GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         IS_FP8=kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=2,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=is_pdl,
+        num_warps=4, num_stages=2, launch_pdl=is_pdl,
     )  # fmt: skip
     if num_splits == 1:
         return out
     _merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        USE_PDL=is_pdl, launch_pdl=is_pdl,
     )  # fmt: skip
     return out

@@ -28,11 +28,26 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dormant.layers.triton_moe_split import SplitConfig, fused_experts_split, split_config
+from dormant.layers.triton_pdl import use_pdl
 
 # num_tokens * top_k up to this: the direct path (top-8: batch <= 4). Measured on the H200
 # (benchmarks/moe_kernels.py, Qwen3-30B-A3B dims, per layer): direct / sorted 0.96 at batch 1,
 # 0.96 at 2, 0.99 at 4, 1.12 at 8, 1.25 at 16 (results/2026-12-01d-run2-moe12.jsonl).
 DIRECT_MAX_PAIRS = 32
+
+# The batch-1 choices, each measured by benchmarks/moe_b1_sweep.py on the H200 (set them here):
+# - KERNELS "loop": gate/up, then _down_combine_kernel, a token's slots one after another;
+#   "tile": gate/up, then _down_tile_kernel, every slot's whole depth in one tile (all its
+#   weights in flight at once); "split": triton_moe_split.py, gate/up and down fused per block
+#   of the intermediate size, then a combine;
+# - USE_PDL: the kernels launch with programmatic dependent launch (triton_pdl.py): each one's
+#   launch hides behind the kernel before it, and "tile" loads its weights before gate/up ends.
+KERNELS = "loop"
+USE_PDL = False
+KERNEL_CHOICES = ("loop", "tile", "split")
 
 
 @dataclass(frozen=True)
@@ -73,8 +88,11 @@ def gemv_config(n: int, k: int, is_gate_up: bool) -> GemvConfig:
 @triton.jit
 def _gate_up_direct_kernel(
     x_ptr, w_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # the router's ids are out; then the down kernel may launch (triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -106,7 +124,10 @@ def _gate_up_direct_kernel(
 def _down_combine_kernel(
     h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, stride_h, stride_we, stride_wn, stride_out,
     K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # h is gate/up's: nothing is read before it is out
+        gdc_wait()
     # K (the intermediate size) is a compile-time constant, so both loops unroll into straight
     # code and the loads of later slots can be issued before the sums of earlier ones.
     token = tl.program_id(0).to(tl.int64)
@@ -123,7 +144,8 @@ def _down_combine_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for first in tl.static_range(0, K, BLOCK_K):
             is_k = ks < K - first
-            h = tl.load(h_row + first + ks, mask=is_k, other=0.0).to(tl.float32)
+            h = tl.load(h_row + first + ks, mask=is_k, other=0.0, cache_modifier=".cg")
+            h = h.to(tl.float32)
             w = tl.load(
                 w_rows + first + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0
             )
@@ -134,6 +156,41 @@ def _down_combine_kernel(
     tl.store(out_ptr + token * stride_out + cols, total.to(dtype), mask=is_col)
 
 
+@triton.jit
+def _down_tile_kernel(
+    h_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, stride_h, stride_we, stride_wn, stride_out,
+    K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+    SLOTS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # _down_combine_kernel's sums with the slots as a dimension of one [slot, column, depth]
+    # tile: every load of the program is issued at once, before the wait on gate/up under PDL
+    # (the ids are the router's, out before gate/up triggered: triton_pdl.py).
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slots = tl.arange(0, SLOTS_PAD)
+    ks = tl.arange(0, K_PAD)
+    is_slot = slots < TOP_K
+    pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + pairs, mask=is_slot, other=0, cache_modifier=".cg").to(tl.int64)
+    w_ptrs = w_ptr + (experts * stride_we)[:, None, None] + ks[None, None, :]
+    w_ptrs += (cols.to(tl.int64) * stride_wn)[None, :, None]
+    w_mask = is_slot[:, None, None] & (cols < N)[None, :, None] & (ks < K)[None, None, :]
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if USE_PDL:
+        gdc_wait()
+    h_mask = is_slot[:, None] & (ks < K)[None, :]
+    h_ptrs = h_ptr + pairs[:, None] * stride_h + ks[None, :]
+    h = tl.load(h_ptrs, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    y = tl.sum(w.to(tl.float32) * h[:, None, :], axis=2).to(dtype).to(tl.float32)
+    weight = tl.load(weights_ptr + pairs, mask=is_slot, other=0.0).to(dtype).to(tl.float32)
+    weighted = (y * weight[:, None]).to(dtype).to(tl.float32)  # [slot, column]
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for slot in tl.static_range(TOP_K):  # the slot order of the sorted path's combine
+        total += tl.sum(tl.where(slots[:, None] == slot, weighted, 0.0), axis=0)  # one term
+    tl.store(out_ptr + token * stride_out + cols, total.to(dtype), mask=cols < N)
+
+
 def fused_experts_direct(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -141,10 +198,16 @@ def fused_experts_direct(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     configs: tuple[GemvConfig, GemvConfig] | None = None,
+    *,
+    kernels: str | None = None,
+    split: SplitConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``fused_experts``' contract (``triton_moe.py``) without the sort: for any number of
-    tokens, fastest for few pairs (``is_direct``). ``configs`` (gate/up, down) overrides
-    ``gemv_config``'s tiles, for tuning."""
+    tokens, fastest for few pairs (``is_direct``). For tuning, ``kernels`` overrides
+    ``KERNELS``, ``pdl`` ``USE_PDL`` (off where the device has no PDL), ``configs`` (gate/up,
+    down) ``gemv_config``'s tiles and ``split`` ``split_config``'s: every choice has the same
+    rounding points and the same slot order in the combine."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -152,18 +215,35 @@ def fused_experts_direct(
     if num_tokens == 0:
         return out
     check_unit_strides(x, w13, w2)
-    up, down = configs or (gemv_config(inter, hidden, True), gemv_config(hidden, inter, False))
+    kernels = kernels or KERNELS
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    is_pdl = use_pdl(pdl, USE_PDL, x.device)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if kernels == "split":
+        split = split or split_config(inter, hidden)
+        return fused_experts_split(x, w13, w2, topk_weights, topk_ids, split, is_pdl)
+    up, down = configs or (gemv_config(inter, hidden, True), gemv_config(hidden, inter, False))
     num_pairs = num_tokens * top_k
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_direct_kernel[(num_pairs, triton.cdiv(inter, up.block_n))](
         x, w13, h, topk_ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k,
-        num_warps=up.num_warps, num_stages=up.num_stages,
+        h.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_PDL=is_pdl,
+        num_warps=up.num_warps, num_stages=up.num_stages, launch_pdl=is_pdl,
     )  # fmt: skip
-    _down_combine_kernel[(num_tokens, triton.cdiv(hidden, down.block_n))](
-        h, w2, out, topk_weights, topk_ids, hidden, h.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), K=inter, TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=down.num_warps, num_stages=down.num_stages,
-    )  # fmt: skip
+    grid = (num_tokens, triton.cdiv(hidden, down.block_n))
+    args = (h, w2, out, topk_weights, topk_ids, hidden, h.stride(0), w2.stride(0), w2.stride(1),
+            out.stride(0))  # fmt: skip
+    launch = {"num_warps": down.num_warps, "num_stages": down.num_stages, "launch_pdl": is_pdl}
+    if kernels == "tile":
+        _down_tile_kernel[grid](
+            *args, K=inter, TOP_K=top_k, BLOCK_N=down.block_n,
+            K_PAD=triton.next_power_of_2(inter), SLOTS_PAD=triton.next_power_of_2(top_k),
+            USE_PDL=is_pdl, **launch,
+        )  # fmt: skip
+    else:
+        _down_combine_kernel[grid](
+            *args, K=inter, TOP_K=top_k, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+            USE_PDL=is_pdl, **launch,
+        )  # fmt: skip
     return out

@@ -39,8 +39,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dormant.layers.triton_moe_routing import softmax_topk_row
+from dormant.layers.triton_pdl import use_pdl
 
 # Tokens up to this take the fused router (``is_router_fused``); more take cuBLAS's GEMM and
 # ``topk_softmax``: every program re-reads its weight block once per token, so the fused GEMV
@@ -48,6 +50,10 @@ from dormant.layers.triton_moe_routing import softmax_topk_row
 FUSED_ROUTER_MAX_TOKENS = 4
 _TARGET_PROGRAMS = 128  # about one per SM on the H200 (132): the weights stream in one wave
 _TILE = 2048  # weights per program and step
+# Launch with programmatic dependent launch (triton_pdl.py), as the direct experts do: the
+# router's weights load while the kernel before it (the RMSNorm) ends. Measured by
+# benchmarks/moe_b1_sweep.py; set here.
+USE_PDL = False
 
 
 @dataclass(frozen=True)
@@ -82,17 +88,25 @@ def _router_topk_kernel(
     num_experts, hidden, stride_x, stride_w,
     NUM_TOKENS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     EXPERTS_PAD: tl.constexpr, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     is_expert = experts < num_experts
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + experts[:, None].to(tl.int64) * stride_w
+    if USE_PDL:  # the first step's weights load before the wait on x's kernel (triton_pdl.py)
+        w_mask = is_expert[:, None] & (ks < hidden)[None, :]
+        w_first = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)  # held in the dtype
+        gdc_wait()
+        gdc_launch_dependents()  # gate/up's programs may launch: they wait for our ids
     dtype = x_ptr.dtype.element_ty
     for token in tl.static_range(NUM_TOKENS):
         x_row = x_ptr + token * stride_x
         acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
-        for first in range(0, hidden, BLOCK_K):
+        if USE_PDL:  # the loop's first step, on the weights loaded already: the same sums
+            x = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)
+            acc += w_first.to(tl.float32) * x[None, :]
+        for first in range(BLOCK_K if USE_PDL else 0, hidden, BLOCK_K):
             is_k = ks < hidden - first
             x = tl.load(x_row + first + ks, mask=is_k, other=0.0).to(tl.float32)
             w = tl.load(w_rows + first + ks[None, :], mask=is_expert[:, None] & is_k[None, :],
@@ -119,12 +133,14 @@ def router_topk(
     renormalize: bool,
     ticket: torch.Tensor,
     config: RouterConfig | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``select_experts(x @ gate_weight.T, top_k, renormalize)`` in one kernel: ``x [T, H]``,
     ``gate_weight [E, H]`` (one dtype, unit stride in H), ``ticket`` a zero int32 ``[1]`` of
     this layer (``new_router_ticket``) → float32 weights and int32 ids ``[T, top_k]`` in
     descending probability, and the float32 logits ``[T, E]`` they were routed on (the model
-    dtype's values). ``config`` overrides ``router_config``'s tiles, for tuning. No host sync.
+    dtype's values). ``config`` overrides ``router_config``'s tiles and ``pdl`` ``USE_PDL`` (off
+    where the device has no PDL), for tuning. No host sync.
     """
     num_tokens, hidden = x.shape
     num_experts = gate_weight.shape[0]
@@ -146,6 +162,7 @@ def router_topk(
     if num_tokens == 0:
         return weights, ids, logits
     tiles = config or router_config(num_experts, hidden)
+    is_pdl = use_pdl(pdl, USE_PDL, device)
     experts_pad = triton.next_power_of_2(num_experts)
     # One warp up to 256 experts, as topk_softmax: its top-k is then warp shuffles alone, and
     # a program's 4 KB of weights is 8 x 16-byte loads per thread, all in flight at once.
@@ -153,7 +170,7 @@ def router_topk(
         x, gate_weight, logits, weights, ids, ticket, num_experts, hidden, x.stride(0),
         gate_weight.stride(0), NUM_TOKENS=num_tokens, BLOCK_E=tiles.block_e,
         BLOCK_K=tiles.block_k, EXPERTS_PAD=experts_pad, TOP_K=top_k,
-        TOP_K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        num_warps=1 if experts_pad <= 256 else 4,
+        TOP_K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, USE_PDL=is_pdl,
+        num_warps=1 if experts_pad <= 256 else 4, launch_pdl=is_pdl,
     )  # fmt: skip
     return weights, ids, logits

@@ -51,7 +51,9 @@ if not INTERPRETED:  # Qwen3-30B-A3B's QKV and O projections at every skinny bat
     GEMV_SHAPES += [(t, n, k) for t in range(1, 5) for n, k in ((5120, 2048), (2048, 4096))]
 
 PATH_CASES = [(path, shape) for path in ("auto", "sorted") for shape in SHAPES] + [
-    ("direct", shape) for shape in SHAPES + checks.DIRECT_SHAPES
+    (path, shape)
+    for path in ("direct", "direct-tile", "direct-split")
+    for shape in SHAPES + checks.DIRECT_SHAPES
 ]
 
 
@@ -185,6 +187,47 @@ def test_the_fused_router_and_experts_replay_in_a_cuda_graph(num_tokens: int) ->
         torch.cuda.synchronize()
         for ours, eager in zip(outs, run(), strict=True):
             assert torch.equal(ours, eager), seed
+        assert all(int(ticket) == 0 for ticket in tickets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED, reason="PDL and CUDA graphs need a GPU")
+@pytest.mark.parametrize("kernels", ["loop", "tile", "split"])
+def test_the_pdl_chain_replays_the_bits_of_plain_launches(kernels: str) -> None:
+    """Norm, router and experts of 12 layers launched with programmatic dependent launch in one
+    graph (triton_pdl.py: each kernel starts before the one before it ends), replayed 10 times
+    on new inputs: every replay equals the same kernels launched plainly, eagerly, bit for bit
+    (a program reading ids, h or partials before they landed would show), tickets back at 0."""
+    from dormant.layers.triton_moe_direct import fused_experts_direct
+    from dormant.layers.triton_norm import rms_norm
+    from dormant.layers.triton_pdl import is_pdl_available
+
+    if not is_pdl_available(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0")
+    shape = (1, 128, 8, 2048, 768)
+    x, w13, w2, _ = _inputs(shape, torch.bfloat16)
+    gates = [torch.randn(128, 2048, device="cuda").div(2048**0.5).bfloat16() for _ in range(12)]
+    tickets = [new_router_ticket("cuda") for _ in gates]
+    norm_weight = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+    static_x = x.clone()
+
+    def run(pdl: bool) -> list[torch.Tensor]:
+        outs = []
+        for gate, ticket in zip(gates, tickets, strict=True):
+            normed, _ = rms_norm(static_x, norm_weight, 1e-6)
+            weights, ids, _ = router_topk(normed, gate, 8, True, ticket, pdl=pdl)
+            outs += [ids, fused_experts_direct(normed, w13, w2, weights, ids, kernels=kernels,
+                                               pdl=pdl)]  # fmt: skip
+        return outs
+
+    graph, outs = _captured(lambda: run(True))
+    generator = torch.Generator("cuda").manual_seed(1)
+    for seed in range(1, 11):
+        static_x.copy_(torch.randn(x.shape, device="cuda", generator=generator).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        for ours, plain in zip(outs, run(False), strict=True):
+            assert torch.equal(ours, plain), seed
         assert all(int(ticket) == 0 for ticket in tickets)
 
 

@@ -12,6 +12,8 @@ Two kinds of inputs:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from dormant.layers.moe_reference import fused_experts_reference, select_experts
@@ -22,13 +24,27 @@ from dormant.layers.triton_moe_direct import (
     fused_experts_direct,
     is_direct,
 )
+from dormant.layers.triton_moe_split import SplitConfig
 
-PATHS = {"auto": fused_experts, "sorted": fused_experts_sorted, "direct": fused_experts_direct}
+PATHS = {
+    "auto": fused_experts,
+    "sorted": fused_experts_sorted,
+    "direct": fused_experts_direct,
+    "direct-tile": partial(fused_experts_direct, kernels="tile"),
+    "direct-split": partial(fused_experts_direct, kernels="split"),
+}
 # (tokens, experts, top_k, hidden, intermediate): decode sizes, top_k 1/2/8, odd sizes
 # (small for the interpreter, which runs about 50 programs a second)
 DIRECT_SHAPES = [(1, 4, 1, 48, 24), (3, 8, 2, 40, 36), (2, 16, 8, 64, 40), (8, 12, 2, 33, 17),
                  (5, 6, 1, 40, 80)]  # fmt: skip
 ODD_TILES = (GemvConfig(8, 16, num_warps=2), GemvConfig(16, 32, num_warps=1, num_stages=2))
+# the direct path's other kernels: (kernels, gate/up + down tiles, split tiles), odd tiles too
+# (partial blocks of I and H, many steps with a masked tail, one column a program)
+DIRECT_VARIANTS = [
+    ("loop", None, None), ("loop", ODD_TILES, None), ("tile", None, None),
+    ("tile", (GemvConfig(8, 16), GemvConfig(1, 16, num_warps=2)), None),
+    ("split", None, None), ("split", None, SplitConfig(8, 16, 16, num_warps=2, combine_block_h=32)),
+]  # fmt: skip
 
 
 def random_inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int = 0):
@@ -89,15 +105,17 @@ def check_path_matches_reference(path: str, shape, dtype: torch.dtype, device: s
 
 
 def check_direct_is_bit_exact(shape, dtype: torch.dtype, device: str) -> None:
-    """On exact inputs: the direct path equals the sorted one bit for bit, at its default
-    tiles and at odd ones (partial column blocks, many k steps with a masked tail)."""
+    """On exact inputs: the direct path equals the sorted one bit for bit, by each of its
+    kernels (``DIRECT_VARIANTS``), at default tiles and at odd ones."""
     x, w13, w2, logits = exact_inputs(shape, dtype, device)
     weights, ids = select_experts(logits, shape[2], renormalize=False)
     sorted_out = fused_experts_sorted(x, w13, w2, weights, ids)
     assert bool(sorted_out.ne(0).any()), "inputs too sparse: the check would prove nothing"
-    for configs in (None, ODD_TILES):
-        direct = fused_experts_direct(x, w13, w2, weights, ids, configs)
-        assert torch.equal(direct, sorted_out), (configs, (direct - sorted_out).abs().max())
+    for kernels, configs, split in DIRECT_VARIANTS:
+        direct = fused_experts_direct(
+            x, w13, w2, weights, ids, configs, kernels=kernels, split=split
+        )
+        assert torch.equal(direct, sorted_out), (kernels, configs, split)
 
 
 def check_fused_experts_dispatch(device: str) -> None:
@@ -111,3 +129,15 @@ def check_fused_experts_dispatch(device: str) -> None:
             x, w13, w2, weights, ids
         )
         assert torch.equal(fused_experts(x, w13, w2, weights, ids), expected), shape
+
+
+def check_direct_kernels_refuse_unknown_names(device: str) -> None:
+    """A misspelled ``kernels`` raises, naming the choices."""
+    x, w13, w2, logits = random_inputs((1, 4, 2, 16, 16), torch.float32, device)
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    try:
+        fused_experts_direct(x, w13, w2, weights, ids, kernels="tiled")
+    except ValueError as error:
+        assert "loop" in str(error) and "split" in str(error), error
+    else:
+        raise AssertionError("kernels='tiled' was accepted")

@@ -55,9 +55,10 @@ def _spill_bytes(kernel) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
 
 
-def _router(num_tokens: int, config: triton_router.RouterConfig):
+def _router(num_tokens: int, config: triton_router.RouterConfig, pdl: bool = False):
     constexprs = {"NUM_TOKENS": num_tokens, "BLOCK_E": config.block_e, "BLOCK_K": config.block_k,
-                  "EXPERTS_PAD": 128, "TOP_K": 8, "TOP_K_PAD": 8, "RENORMALIZE": True}  # fmt: skip
+                  "EXPERTS_PAD": 128, "TOP_K": 8, "TOP_K_PAD": 8, "RENORMALIZE": True,
+                  "USE_PDL": pdl}  # fmt: skip
     return _compile(triton_router._router_topk_kernel, ROUTER_ARGS, constexprs, num_warps=1)
 
 

@@ -17,11 +17,14 @@ import torch
 from tests.layers import moe_kernel_checks as checks
 for shape in checks.DIRECT_SHAPES:
     for dtype in (torch.float32, torch.float16):
-        checks.check_path_matches_reference("direct", shape, dtype, "cpu")
+        for path in ("direct", "direct-tile", "direct-split"):
+            checks.check_path_matches_reference(path, shape, dtype, "cpu")
     checks.check_direct_is_bit_exact(shape, torch.float16, "cpu")
     print("ok", shape)
 checks.check_fused_experts_dispatch("cpu")
 print("ok dispatch")
+checks.check_direct_kernels_refuse_unknown_names("cpu")
+print("ok kernels")
 """
 
 
@@ -31,4 +34,4 @@ def test_the_direct_path_in_the_triton_interpreter() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     from tests.layers.moe_kernel_checks import DIRECT_SHAPES
 
-    assert result.stdout.count("ok") == len(DIRECT_SHAPES) + 1, result.stdout
+    assert result.stdout.count("ok") == len(DIRECT_SHAPES) + 2, result.stdout

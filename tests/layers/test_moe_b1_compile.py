@@ -1,0 +1,109 @@
+"""The batch-1 MoE kernels' new variants compiled for the H200 (sm_90) on the CPU, at
+Qwen3-30B-A3B's shapes and every tile ``benchmarks/moe_b1_sweep.py`` times: what the
+interpreter cannot show (it runs no inline PTX, so never the PDL code).
+
+- no variant spills a register (a spill turns a weight stream into local-memory traffic; the
+  router with PDL: at batch 1);
+- under PDL each kernel waits (``griddepcontrol.wait``), the ones followed by a dependent
+  kernel trigger it only after that wait (``triton_pdl.py``'s rules), and the tile down kernel
+  issues its weight loads before the wait, in the SASS ptxas emits (what the prefetch is for).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from benchmarks.moe_b1_chains import SPLITS, TILE_DOWN  # noqa: E402
+from dormant.layers import triton_moe_direct, triton_moe_split, triton_router  # noqa: E402
+from tests.layers.test_triton_moe_compile import _compile, _router, _spill_bytes  # noqa: E402
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+GATE_UP_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
+                "N": "i32", "K": "i32", "stride_x": "i32", "stride_we": "i32",
+                "stride_wn": "i32", "stride_h": "i32"}  # fmt: skip
+DOWN_ARGS = {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32",
+             "ids_ptr": "*i32", "N": "i32", "stride_h": "i32", "stride_we": "i32",
+             "stride_wn": "i32", "stride_out": "i32"}  # fmt: skip
+SPLIT_ARGS = {"x_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32",
+              "part_ptr": "*fp32", "INTER": "i32", "H": "i32", "stride_x": "i32",
+              "stride_w13e": "i32", "stride_w13n": "i32", "stride_w2e": "i32",
+              "stride_w2n": "i32"}  # fmt: skip
+COMBINE_ARGS = {"part_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32", "H": "i32",
+                "stride_out": "i32"}  # fmt: skip
+
+
+def _sass(kernel) -> str:
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        command = [CUOBJDUMP, "-sass", cubin.name]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def _check_pdl(kernel, triggers: bool) -> None:
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 1
+    if triggers:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+    else:
+        assert "griddepcontrol.launch_dependents" not in ptx
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_gate_up_and_loop_down_kernels_compile(pdl: bool) -> None:
+    up = _compile(triton_moe_direct._gate_up_direct_kernel, GATE_UP_ARGS,
+                  {"TOP_K": 8, "BLOCK_N": 16, "BLOCK_K": 256, "USE_PDL": pdl}, 4)  # fmt: skip
+    constexprs = {"K": 768, "TOP_K": 8, "BLOCK_N": 4, "BLOCK_K": 256, "USE_PDL": pdl}
+    down = _compile(triton_moe_direct._down_combine_kernel, DOWN_ARGS, constexprs, 4)
+    assert _spill_bytes(up) == 0 and _spill_bytes(down) == 0
+    if pdl:
+        _check_pdl(up, triggers=True)
+        _check_pdl(down, triggers=False)
+
+
+@pytest.mark.parametrize(("block_n", "num_warps"), TILE_DOWN)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_tile_down_kernel_compiles_and_prefetches(block_n: int, num_warps: int, pdl: bool):
+    constexprs = {"K": 768, "TOP_K": 8, "BLOCK_N": block_n, "K_PAD": 1024, "SLOTS_PAD": 8,
+                  "USE_PDL": pdl}  # fmt: skip
+    kernel = _compile(triton_moe_direct._down_tile_kernel, DOWN_ARGS, constexprs, num_warps)
+    assert _spill_bytes(kernel) == 0
+    if pdl:
+        _check_pdl(kernel, triggers=False)
+        sass = _sass(kernel)
+        before = sass[: sass.index("ACQBULK")]  # griddepcontrol.wait in sm_90 SASS
+        assert before.count("LDG.E.128 ") >= 1, "no weight load before the wait"
+
+
+@pytest.mark.parametrize("tiles", SPLITS)
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_split_kernels_compile(tiles: tuple[int, ...], pdl: bool) -> None:
+    config = triton_moe_split.SplitConfig(*tiles)
+    constexprs = {"TOP_K": 8, "BLOCK_I": config.block_i, "BLOCK_K": config.block_k,
+                  "BLOCK_H": config.block_h, "USE_PDL": pdl}  # fmt: skip
+    fused = _compile(triton_moe_split._gate_up_down_kernel, SPLIT_ARGS, constexprs,
+                     config.num_warps, config.num_stages)  # fmt: skip
+    num_blocks = triton.cdiv(768, config.block_i)
+    combine = _compile(triton_moe_split._combine_kernel, COMBINE_ARGS,
+                       {"TOP_K": 8, "NUM_BLOCKS": num_blocks,
+                        "BLOCKS_PAD": triton.next_power_of_2(num_blocks),
+                        "BLOCK_H": config.combine_block_h, "USE_PDL": pdl}, 4)  # fmt: skip
+    assert _spill_bytes(fused) == 0 and _spill_bytes(combine) == 0
+    if pdl:
+        _check_pdl(fused, triggers=True)
+        _check_pdl(combine, triggers=False)
+
+
+def test_the_router_compiles_with_pdl_at_batch_1() -> None:
+    """Its first weights load before the wait; T=1 only: at T=2 the held weights cost 8 bytes
+    of spill (ptxas 12.9, sm_90), the batch-1 router is what PDL is for."""
+    kernel = _router(1, triton_router.router_config(128, 2048), pdl=True)
+    assert _spill_bytes(kernel) == 0
+    _check_pdl(kernel, triggers=True)
+    sass = _sass(kernel)
+    assert sass[: sass.index("ACQBULK")].count("LDG.E"), "no weight load before the wait"
