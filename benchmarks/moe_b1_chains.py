@@ -1,0 +1,199 @@
+"""The chains and variants ``benchmarks/moe_b1_sweep.py`` times: Qwen3-30B-A3B's batch-1 decode
+kernels on random bf16 weights, each layer its own weights (so L2 does not serve a later layer).
+
+A ``Variant`` is the keyword arguments the chain passes its kernels; ``Chain.default`` is the
+one that uses the modules' defaults (no arguments), so the first row of each group is what the
+engine runs today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dormant.layers.context import AttentionMetadata
+from dormant.layers.triton_attention import paged_decode_attention
+from dormant.layers.triton_kv_cache import write_kv_cache
+from dormant.layers.triton_moe_direct import GemvConfig, fused_experts_direct
+from dormant.layers.triton_moe_split import SplitConfig
+from dormant.layers.triton_norm import rms_norm
+from dormant.layers.triton_router import new_router_ticket, router_topk
+
+HIDDEN, NUM_EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
+CONTEXT, MAX_MODEL_LEN = 512, 1024  # benchmarks/moe.py's graphs plan for max_model_len
+MOE_LAYERS, ATTENTION_LAYERS = 12, 96
+DEVICE = torch.device("cuda")
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Variant:
+    """``options``: (keyword, value) pairs for the chain's kernels; none is the default."""
+
+    name: str
+    options: tuple[tuple[str, object], ...] = ()
+
+    def kwargs(self, *keys: str) -> dict[str, Any]:
+        """The options among ``keys`` that this variant sets."""
+        return {key: value for key, value in self.options if key in keys}
+
+    @property
+    def is_pdl(self) -> bool:
+        return any(key.endswith("pdl") and bool(value) for key, value in self.options)
+
+    @property
+    def knobs(self) -> dict[str, str]:
+        return {key: str(value) for key, value in self.options}
+
+
+class Chain:
+    """A group's layers: ``run`` launches every layer's kernels and returns their outputs;
+    ``refill`` writes fresh random inputs in place (a captured graph reads them)."""
+
+    name: str
+    num_layers: int
+    variants: list[Variant]
+
+    @property
+    def default(self) -> Variant:
+        return self.variants[0]
+
+    def run(self, variant: Variant) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def refill(self, seed: int) -> None:
+        raise NotImplementedError
+
+
+def _randn(generator: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator, device=DEVICE, dtype=DTYPE) * scale
+
+
+Options = tuple[tuple[str, object], ...]
+UP, DOWN = GemvConfig(16, 256), GemvConfig(4, 256)  # gemv_config's defaults at these shapes
+UP_TILES = [(16, 256, 4, 4), (32, 256, 8, 3), (8, 512, 4, 3), (16, 512, 8, 4)]
+DOWN_TILES = [(2, 256, 2), (4, 256, 8), (8, 256, 8), (4, 128, 4)]
+TILE_DOWN = [(1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 8)]  # (block_n, warps)
+SPLITS = [(16, 256, 256, 4, 3, 16), (16, 256, 128, 4, 3, 16), (32, 256, 128, 4, 3, 16),
+          (32, 128, 128, 8, 3, 32), (16, 512, 256, 8, 3, 16), (8, 256, 256, 4, 3, 16),
+          (16, 256, 256, 4, 3, 64)]  # fmt: skip
+
+
+def _moe_variants() -> list[Variant]:
+    """The defaults first; then the loop kernels' tiles; then "tile" and "split", each without
+    PDL and with it (router and experts)."""
+    variants = [Variant("loop (default)")]
+    for up in UP_TILES:
+        variants.append(Variant(f"loop up{up}", (("configs", (GemvConfig(*up), DOWN)),)))
+    for down in DOWN_TILES:
+        variants.append(Variant(f"loop down{down}", (("configs", (UP, GemvConfig(*down))),)))
+    variants.append(Variant("loop +router pdl", (("router_pdl", True),)))
+    variants.append(Variant("loop +pdl", (("router_pdl", True), ("pdl", True))))
+    for pdl in (False, True):
+        launch: Options = (("router_pdl", pdl), ("pdl", pdl))
+        suffix = " +pdl" if pdl else ""
+        for n, warps in TILE_DOWN:  # block_k unused: the tile kernel takes the whole depth
+            options: Options = (("kernels", "tile"), ("configs", (UP, GemvConfig(n, 1024, warps))))
+            variants.append(Variant(f"tile down({n},{warps}){suffix}", options + launch))
+        for split in SPLITS:
+            options = (("kernels", "split"), ("split", SplitConfig(*split)))
+            variants.append(Variant(f"split{split}{suffix}", options + launch))
+    return variants
+
+
+class MoeChain(Chain):
+    """Per layer: the post-attention RMSNorm (with its residual), the fused router, the experts:
+    what the model launches between the attention's o_proj and the next layer's norm."""
+
+    name, num_layers = "moe", MOE_LAYERS
+
+    def __init__(self) -> None:
+        generator = torch.Generator(DEVICE).manual_seed(0)
+        layers = range(self.num_layers)
+        self.w13 = [_randn(generator, NUM_EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
+                    for _ in layers]  # fmt: skip
+        self.w2 = [_randn(generator, NUM_EXPERTS, HIDDEN, INTER, scale=INTER**-0.5) for _ in layers]
+        self.gate = [_randn(generator, NUM_EXPERTS, HIDDEN, scale=HIDDEN**-0.5) for _ in layers]
+        self.norm = [1 + _randn(generator, HIDDEN, scale=0.1) for _ in layers]
+        self.tickets = [new_router_ticket(DEVICE) for _ in layers]
+        self.x = [_randn(generator, 1, HIDDEN) for _ in layers]
+        self.residual = [_randn(generator, 1, HIDDEN) for _ in layers]
+        self.variants = _moe_variants()
+
+    def run(self, variant: Variant) -> list[torch.Tensor]:
+        outputs = []
+        for layer in range(self.num_layers):
+            normed, _ = rms_norm(self.x[layer], self.norm[layer], 1e-6, self.residual[layer])
+            router_pdl = variant.kwargs("router_pdl").get("router_pdl")
+            weights, ids, _ = router_topk(normed, self.gate[layer], TOP_K, True,
+                                          self.tickets[layer], pdl=router_pdl)  # fmt: skip
+            out = fused_experts_direct(
+                normed,
+                self.w13[layer],
+                self.w2[layer],
+                weights,
+                ids,
+                **variant.kwargs("configs", "kernels", "split", "pdl"),
+            )
+            outputs += [ids, out]
+        return outputs
+
+    def refill(self, seed: int) -> None:
+        generator = torch.Generator(DEVICE).manual_seed(seed)
+        for tensor in (*self.x, *self.residual):
+            tensor.copy_(_randn(generator, *tensor.shape))
+
+
+class AttentionChain(Chain):
+    """Per layer: the new token's KV written, then the decode attention over 513 positions."""
+
+    name, num_layers = "attention", ATTENTION_LAYERS
+
+    def __init__(self) -> None:
+        generator = torch.Generator(DEVICE).manual_seed(1)
+        num_blocks = MAX_MODEL_LEN // BLOCK_SIZE
+        layers = range(self.num_layers)
+        shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.kv = [_randn(generator, *shape) for _ in layers]
+        self.q = [_randn(generator, 1, NUM_HEADS, HEAD_DIM) for _ in layers]
+        self.k = [_randn(generator, 1, NUM_KV_HEADS, HEAD_DIM) for _ in layers]
+        self.v = [_randn(generator, 1, NUM_KV_HEADS, HEAD_DIM) for _ in layers]
+        self.unit_scale = torch.ones((), dtype=torch.float32, device=DEVICE)
+        tables = torch.arange(num_blocks, dtype=torch.int32, device=DEVICE)[None]
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.tensor([CONTEXT], dtype=torch.int64, device=DEVICE),
+            block_tables=tables,
+            seq_lens=torch.tensor([CONTEXT + 1], dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            max_query_len=1,
+            max_seq_len=MAX_MODEL_LEN,
+        )
+        self.variants = [Variant("planned (default)")]
+        self.variants += [Variant(f"splits {n}", (("wanted_splits", n),)) for n in (8, 4, 2, 1)]
+        self.variants += [
+            Variant(f"splits {n or 'planned'} +pdl", (("wanted_splits", n), ("pdl", True)))
+            for n in (None, 8, 4, 2, 1)
+        ]
+
+    def run(self, variant: Variant) -> list[torch.Tensor]:
+        outputs = []
+        for layer in range(self.num_layers):
+            write_kv_cache(self.kv[layer], self.k[layer], self.v[layer], self.meta.slot_mapping,
+                           self.unit_scale, self.unit_scale)  # fmt: skip
+            outputs.append(paged_decode_attention(
+                self.q[layer], self.kv[layer], self.meta, HEAD_DIM**-0.5, self.unit_scale,
+                self.unit_scale,
+                **variant.kwargs("wanted_splits", "pdl"),
+            ))  # fmt: skip
+        return outputs
+
+    def refill(self, seed: int) -> None:
+        generator = torch.Generator(DEVICE).manual_seed(seed)
+        for tensor in (*self.q, *self.k, *self.v):
+            tensor.copy_(_randn(generator, *tensor.shape))
+
+
+GROUPS = {"moe": MoeChain, "attention": AttentionChain}
