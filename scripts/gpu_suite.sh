@@ -64,16 +64,12 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # the IPC GPU tests after the release test's fix, the fused router's checks by expert id, the
-  # MoE step with the skinny GEMV off (moe.py's decode step fixed), and the memory layer against
-  # torch_memory_saver with the local-memory release in every sleep
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_ipc_release_gpu.py \
-    tests/gpu/test_ipc_reuse_gpu.py tests/gpu/test_ipc_refit_gpu.py tests/worker/test_ipc_weights.py \
-    tests/frameworks/test_slime_calls.py tests/gpu/test_triton_moe.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
+  # the MoE kernel tests with the PDL and tile paths (run 3 of the ninth session stopped at 168
+  # of 302, none failed), then the batch-1 sweep again and the step with PDL + tile on
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_triton_moe.py \
+    2>&1 | tee "$OUT/pending-gpu-tests.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/moe.py --layers 12 --skip-peer --skip-sorted --out "$OUT/moe.jsonl" 2>&1 | tee "$OUT/moe.log"
-  status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  python3 benchmarks/moe_b1_sweep.py --budget-s 200 --out "$OUT/moe-b1-sweep.jsonl" 2>&1 | tee "$OUT/moe-b1-sweep.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
