@@ -17,6 +17,9 @@
   the skinny GEMV, QKV and O, per batch size up to 4, and per tile;
 - the old step: decode at batch 1 and 64 with the sorted MoE path at every size (what
   ``fused_experts`` ran before the direct path), in a child process of the same run;
+- the step before the batch-1 launch choices of the tenth session: decode at batch 1 and 64
+  with the loop down kernel and plain launches (no programmatic dependent launch) in the
+  experts, the router and the decode attention, in a child process of the same run;
 - the step before the fused router and the skinny GEMV: decode at batch 1 and 64 with the
   router's GEMM and ``topk_softmax``, and cuBLAS's attention projections, at every size, in a
   child process of the same run;
@@ -24,7 +27,7 @@
   graphs) at batch 1 and 64, in a child process of the same run.
 
 Usage: python benchmarks/moe.py [--out results.jsonl] [--layers 48] [--skip-peer]
-[--skip-sorted] [--skip-unfused] [--skip-kernels] (about 6-7 minutes on an H200 at 48
+[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-kernels] (about 6-7 minutes on an H200 at 48
 layers; ``--layers 8`` for a quick look).
 """
 
@@ -187,7 +190,8 @@ def bench_sleep_wake(rec: Recorder, llm: LLM, bandwidth: float, context: int) ->
 def run_child(args: argparse.Namespace, moe_path: str) -> None:
     """Decode alone in a child process: the torch reference path (``moe_path`` "peer";
     DORMANT_TRITON is read at import), or the Triton kernels with the sorted MoE path only
-    ("sorted") or without the fused router and the skinny GEMV ("unfused")."""
+    ("sorted"), without the fused router and the skinny GEMV ("unfused"), or with the loop
+    down kernel and plain launches ("plain")."""
     command = [sys.executable, __file__, "--decode-only", "--layers", str(args.layers),
                "--context", str(args.context)]  # fmt: skip
     if args.out:
@@ -204,6 +208,16 @@ def sorted_only() -> None:
     from dormant.layers import triton_moe  # needs triton
 
     triton_moe.is_direct = lambda num_tokens, top_k: False
+
+
+def plain_launches() -> None:
+    """The batch-1 choices before the tenth session: the experts' loop down kernel, and no
+    programmatic dependent launch in the experts, the router or the decode attention."""
+    from dormant.layers import triton_attention, triton_moe_direct, triton_router
+
+    triton_moe_direct.KERNELS = "loop"
+    triton_moe_direct.USE_PDL = triton_router.USE_PDL = False
+    triton_attention.USE_PDL_AT_BATCH_1 = False
 
 
 def unfused() -> None:
@@ -228,9 +242,11 @@ def main() -> None:
     parser.add_argument("--skip-sorted", action="store_true", help="no old (sorted-path) step")
     parser.add_argument("--skip-unfused", action="store_true",
                         help="no step with the old router and cuBLAS attention")  # fmt: skip
+    parser.add_argument("--skip-plain", action="store_true",
+                        help="no step with the loop down kernel and plain launches")  # fmt: skip
     parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused"), default="auto",
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused", "plain"),
+                        default="auto", help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     rec = Recorder(args.out)
     system = "triton" if IS_TRITON_ENABLED else "torch reference"
@@ -240,6 +256,9 @@ def main() -> None:
     if IS_TRITON_ENABLED and args.moe_path == "unfused":
         unfused()
         system = "triton, unfused router, cuBLAS attention (old)"
+    if IS_TRITON_ENABLED and args.moe_path == "plain":
+        plain_launches()
+        system = "triton, loop down kernel, plain launches (old)"
     bandwidth = device_copy_bandwidth()
     if args.decode_only:
         llm = build(args.layers, multi_steps=1)
@@ -269,6 +288,8 @@ def main() -> None:
     del llm, worker
     torch.cuda.empty_cache()
     print(table(rows, COLUMNS))
+    if IS_TRITON_ENABLED and not args.skip_plain:
+        run_child(args, "plain")
     if IS_TRITON_ENABLED and not args.skip_unfused:
         run_child(args, "unfused")
     if IS_TRITON_ENABLED and not args.skip_sorted:

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dormant.layers.triton_moe_split import SplitConfig, fused_experts_split, split_config
 from dormant.layers.triton_pdl import use_pdl
 
 # num_tokens * top_k up to this: the direct path (top-8: batch <= 4). Measured on the H200
@@ -39,15 +38,19 @@ from dormant.layers.triton_pdl import use_pdl
 DIRECT_MAX_PAIRS = 32
 
 # The batch-1 choices, each measured by benchmarks/moe_b1_sweep.py on the H200 (set them here):
-# - KERNELS "loop": gate/up, then _down_combine_kernel, a token's slots one after another;
-#   "tile": gate/up, then _down_tile_kernel, every slot's whole depth in one tile (all its
-#   weights in flight at once); "split": triton_moe_split.py, gate/up and down fused per block
-#   of the intermediate size, then a combine;
+# - KERNELS "tile" (the default): gate/up, then _down_tile_kernel, every slot's whole depth in
+#   one tile (all its weights in flight at once); "loop": gate/up, then _down_combine_kernel, a
+#   token's slots one after another. The norm -> router -> experts chain of one Qwen3-30B-A3B
+#   layer at batch 1, graph replay: loop 38.7 us, tile 36.7, tile + PDL 32.2
+#   (results/2026-12-02d-run3-moe-b1-sweep.jsonl). A third kernel pair, gate/up and down fused
+#   per block of the intermediate size plus a combine, lost at every tile (41.7-51.6 us) and
+#   was removed;
 # - USE_PDL: the kernels launch with programmatic dependent launch (triton_pdl.py): each one's
-#   launch hides behind the kernel before it, and "tile" loads its weights before gate/up ends.
-KERNELS = "loop"
-USE_PDL = False
-KERNEL_CHOICES = ("loop", "tile", "split")
+#   launch hides behind the kernel before it, and "tile" loads its weights before gate/up ends
+#   (on by default; bit-exact against plain launches, tests/gpu/test_triton_moe.py).
+KERNELS = "tile"
+USE_PDL = True
+KERNEL_CHOICES = ("loop", "tile")
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,16 @@ def is_direct(num_tokens: int, top_k: int) -> bool:
     return num_tokens * top_k <= DIRECT_MAX_PAIRS
 
 
-def gemv_config(n: int, k: int, is_gate_up: bool) -> GemvConfig:
+def gemv_config(n: int, k: int, is_gate_up: bool, kernels: str = "loop") -> GemvConfig:
     """Default tiles for ``n`` output columns of depth ``k``, sized for Qwen3-30B-A3B on 132
     SMs. Gate/up: 16 columns of each (I = 768: 8 pairs x 48 = 384 programs at batch 1), k in
-    steps of 256, pipelined (``num_stages``). Down: 4 columns (H = 2048: 512 programs per
-    token, all resident at once, so every one keeps its own loads in flight), k in unrolled
-    steps of 256. Weights stream once, so what counts is the bytes in flight per SM."""
+    steps of 256, pipelined (``num_stages``). Down, "loop": 4 columns (H = 2048: 512 programs
+    per token, all resident at once, so every one keeps its own loads in flight), k in unrolled
+    steps of 256; "tile": 2 columns of the whole depth for every slot (1024 programs per
+    token), the sweep's best (``block_k`` is unused: the tile spans ``k``). Weights stream
+    once, so what counts is the bytes in flight per SM."""
+    if not is_gate_up and kernels == "tile":
+        return GemvConfig(block_n=max(1, min(2, triton.next_power_of_2(n))), block_k=1024)
     block_n = 16 if is_gate_up else 4
     return GemvConfig(
         block_n=max(1, min(block_n, triton.next_power_of_2(n))),
@@ -200,14 +207,13 @@ def fused_experts_direct(
     configs: tuple[GemvConfig, GemvConfig] | None = None,
     *,
     kernels: str | None = None,
-    split: SplitConfig | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """``fused_experts``' contract (``triton_moe.py``) without the sort: for any number of
     tokens, fastest for few pairs (``is_direct``). For tuning, ``kernels`` overrides
-    ``KERNELS``, ``pdl`` ``USE_PDL`` (off where the device has no PDL), ``configs`` (gate/up,
-    down) ``gemv_config``'s tiles and ``split`` ``split_config``'s: every choice has the same
-    rounding points and the same slot order in the combine."""
+    ``KERNELS``, ``pdl`` ``USE_PDL`` (off where the device has no PDL) and ``configs`` (gate/up,
+    down) ``gemv_config``'s tiles: every choice has the same rounding points and the same slot
+    order in the combine."""
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -220,10 +226,10 @@ def fused_experts_direct(
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     is_pdl = use_pdl(pdl, USE_PDL, x.device)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-    if kernels == "split":
-        split = split or split_config(inter, hidden)
-        return fused_experts_split(x, w13, w2, topk_weights, topk_ids, split, is_pdl)
-    up, down = configs or (gemv_config(inter, hidden, True), gemv_config(hidden, inter, False))
+    up, down = configs or (
+        gemv_config(inter, hidden, True),
+        gemv_config(hidden, inter, False, kernels),
+    )
     num_pairs = num_tokens * top_k
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_direct_kernel[(num_pairs, triton.cdiv(inter, up.block_n))](

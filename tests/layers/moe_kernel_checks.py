@@ -24,27 +24,26 @@ from dormant.layers.triton_moe_direct import (
     fused_experts_direct,
     is_direct,
 )
-from dormant.layers.triton_moe_split import SplitConfig
 
 PATHS = {
     "auto": fused_experts,
     "sorted": fused_experts_sorted,
-    "direct": fused_experts_direct,
-    "direct-tile": partial(fused_experts_direct, kernels="tile"),
-    "direct-split": partial(fused_experts_direct, kernels="split"),
+    "direct": fused_experts_direct,  # KERNELS, "tile"
+    "direct-loop": partial(fused_experts_direct, kernels="loop"),
 }
 # (tokens, experts, top_k, hidden, intermediate): decode sizes, top_k 1/2/8, odd sizes
 # (small for the interpreter, which runs about 50 programs a second)
 DIRECT_SHAPES = [(1, 4, 1, 48, 24), (3, 8, 2, 40, 36), (2, 16, 8, 64, 40), (8, 12, 2, 33, 17),
                  (5, 6, 1, 40, 80)]  # fmt: skip
 ODD_TILES = (GemvConfig(8, 16, num_warps=2), GemvConfig(16, 32, num_warps=1, num_stages=2))
-# the direct path's other kernels: (kernels, gate/up + down tiles, split tiles), odd tiles too
-# (partial blocks of I and H, many steps with a masked tail, one column a program)
+# the direct path's kernels: (kernels, gate/up + down tiles), odd tiles too (partial blocks of
+# I and H, many steps with a masked tail, one column a program)
 DIRECT_VARIANTS = [
-    ("loop", None, None), ("loop", ODD_TILES, None), ("tile", None, None),
-    ("tile", (GemvConfig(8, 16), GemvConfig(1, 16, num_warps=2)), None),
-    ("split", None, None), ("split", None, SplitConfig(8, 16, 16, num_warps=2, combine_block_h=32)),
-]  # fmt: skip
+    ("loop", None),
+    ("loop", ODD_TILES),
+    ("tile", None),
+    ("tile", (GemvConfig(8, 16), GemvConfig(1, 16, num_warps=2))),
+]
 
 
 def random_inputs(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int = 0):
@@ -111,11 +110,9 @@ def check_direct_is_bit_exact(shape, dtype: torch.dtype, device: str) -> None:
     weights, ids = select_experts(logits, shape[2], renormalize=False)
     sorted_out = fused_experts_sorted(x, w13, w2, weights, ids)
     assert bool(sorted_out.ne(0).any()), "inputs too sparse: the check would prove nothing"
-    for kernels, configs, split in DIRECT_VARIANTS:
-        direct = fused_experts_direct(
-            x, w13, w2, weights, ids, configs, kernels=kernels, split=split
-        )
-        assert torch.equal(direct, sorted_out), (kernels, configs, split)
+    for kernels, configs in DIRECT_VARIANTS:
+        direct = fused_experts_direct(x, w13, w2, weights, ids, configs, kernels=kernels)
+        assert torch.equal(direct, sorted_out), (kernels, configs)
 
 
 def check_fused_experts_dispatch(device: str) -> None:
@@ -138,6 +135,6 @@ def check_direct_kernels_refuse_unknown_names(device: str) -> None:
     try:
         fused_experts_direct(x, w13, w2, weights, ids, kernels="tiled")
     except ValueError as error:
-        assert "loop" in str(error) and "split" in str(error), error
+        assert "loop" in str(error) and "tile" in str(error), error
     else:
         raise AssertionError("kernels='tiled' was accepted")

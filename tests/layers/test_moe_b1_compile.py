@@ -18,8 +18,8 @@ import tempfile
 import pytest
 
 triton = pytest.importorskip("triton")
-from benchmarks.moe_b1_chains import SPLITS, TILE_DOWN  # noqa: E402
-from dormant.layers import triton_moe_direct, triton_moe_split, triton_router  # noqa: E402
+from benchmarks.moe_b1_chains import TILE_DOWN  # noqa: E402
+from dormant.layers import triton_moe_direct, triton_router  # noqa: E402
 from tests.layers.test_triton_moe_compile import _compile, _router, _spill_bytes  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -29,12 +29,6 @@ GATE_UP_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr":
 DOWN_ARGS = {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "N": "i32", "stride_h": "i32", "stride_we": "i32",
              "stride_wn": "i32", "stride_out": "i32"}  # fmt: skip
-SPLIT_ARGS = {"x_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16", "ids_ptr": "*i32",
-              "part_ptr": "*fp32", "INTER": "i32", "H": "i32", "stride_x": "i32",
-              "stride_w13e": "i32", "stride_w13n": "i32", "stride_w2e": "i32",
-              "stride_w2n": "i32"}  # fmt: skip
-COMBINE_ARGS = {"part_ptr": "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32", "H": "i32",
-                "stride_out": "i32"}  # fmt: skip
 
 
 def _sass(kernel) -> str:
@@ -78,25 +72,6 @@ def test_the_tile_down_kernel_compiles_and_prefetches(block_n: int, num_warps: i
         sass = _sass(kernel)
         before = sass[: sass.index("ACQBULK")]  # griddepcontrol.wait in sm_90 SASS
         assert before.count("LDG.E.128 ") >= 1, "no weight load before the wait"
-
-
-@pytest.mark.parametrize("tiles", SPLITS)
-@pytest.mark.parametrize("pdl", [False, True])
-def test_the_split_kernels_compile(tiles: tuple[int, ...], pdl: bool) -> None:
-    config = triton_moe_split.SplitConfig(*tiles)
-    constexprs = {"TOP_K": 8, "BLOCK_I": config.block_i, "BLOCK_K": config.block_k,
-                  "BLOCK_H": config.block_h, "USE_PDL": pdl}  # fmt: skip
-    fused = _compile(triton_moe_split._gate_up_down_kernel, SPLIT_ARGS, constexprs,
-                     config.num_warps, config.num_stages)  # fmt: skip
-    num_blocks = triton.cdiv(768, config.block_i)
-    combine = _compile(triton_moe_split._combine_kernel, COMBINE_ARGS,
-                       {"TOP_K": 8, "NUM_BLOCKS": num_blocks,
-                        "BLOCKS_PAD": triton.next_power_of_2(num_blocks),
-                        "BLOCK_H": config.combine_block_h, "USE_PDL": pdl}, 4)  # fmt: skip
-    assert _spill_bytes(fused) == 0 and _spill_bytes(combine) == 0
-    if pdl:
-        _check_pdl(fused, triggers=True)
-        _check_pdl(combine, triggers=False)
 
 
 def test_the_router_compiles_with_pdl_at_batch_1() -> None:
