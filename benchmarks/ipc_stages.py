@@ -10,7 +10,12 @@ one JSON line per stage with its median milliseconds per bucket, and per sender 
 bucket, the handles opened and reused, the counter files mapped and the counters released, and
 the reads that found a kept layout (skeleton hits) or read the bucket in full (misses).
 
-    python benchmarks/ipc_stages.py [--bucket-mib 512] [--out stages.jsonl]
+Also per bucket: "copy on device", the plan's copies timed by CUDA events around them, and
+"whole call", ``update_weights_from_tensor`` itself in ``--refits`` more refits (what
+``benchmarks/refit.py`` sums as the engine side). ``--synced``: the sender finishes each
+bucket's packing before it sends it (``refit.py``'s engine-side mode), so no stage waits on it.
+
+    python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--out stages.jsonl]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
 from dormant.worker.copy_plan import wait_for_copies
 from dormant.worker.ipc_receiver import IpcReceiver
+from dormant.worker.ipc_weights import FLATTENED_BUCKET
 
 STAGES = ("read", "plan", "copy", "sync", "end payload")
 # Parts of "read" (IpcHandles' calls, summed per bucket that made them): "rebuild: open"
@@ -71,8 +77,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--refits", type=int, default=3)
+    parser.add_argument("--synced", action="store_true", help="the sender syncs before sending")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    command = "run synced" if args.synced else "run"
     device = torch.device("cuda")
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
     shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
@@ -86,9 +94,12 @@ def main() -> None:
         conn.recv()
         receiver = IpcReceiver()
         parts = time_parts(receiver)
-        stages: dict[str, list[float]] = {k: [] for k in (*STAGES, "sender", "release", *parts)}
+        stages: dict[str, list[float]] = {
+            k: [] for k in (*STAGES, "copy on device", "whole call", "sender", "release", *parts)
+        }
+        copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
         for _ in range(args.refits):
-            conn.send("run")
+            conn.send(command)
             acknowledged = None
             while (entries := conn.recv()) is not None:
                 for sink in parts.values():
@@ -101,11 +112,14 @@ def main() -> None:
                 t1 = time.perf_counter()
                 plan = receiver.plans.get(model, items)
                 t2 = time.perf_counter()
+                copy_start.record()
                 for step in plan.steps:
                     step.run(flat_bytes)
+                copy_end.record()
                 t3 = time.perf_counter()
                 wait_for_copies({flat_bytes.device})
                 t4 = time.perf_counter()
+                stages["copy on device"].append(copy_start.elapsed_time(copy_end) / 1e3)
                 del flat_bytes
                 receiver.handles.end_payload()
                 t5 = time.perf_counter()
@@ -120,6 +134,14 @@ def main() -> None:
             t0 = time.perf_counter()
             receiver.release()
             stages["release"].append(time.perf_counter() - t0)
+        for _ in range(args.refits):
+            conn.send(command)
+            while (entries := conn.recv()) is not None:
+                t0 = time.perf_counter()
+                receiver.update_weights_from_tensor(model, entries, load_format=FLATTENED_BUCKET)
+                stages["whole call"].append(time.perf_counter() - t0)
+                conn.send(True)
+            receiver.release()
         conn.send("stop")
         sender.join()
         for stage, values in stages.items():
