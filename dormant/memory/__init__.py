@@ -4,7 +4,9 @@ Works for any PyTorch engine; never imports the engine. See DESIGN §2.
 """
 
 from dormant.memory.audit import AuditRecord, AuditReport
+from dormant.memory.copy_path import CopyMode, CopyPath, CopyPathPolicy
 from dormant.memory.errors import (
+    CopyPolicyError,
     DriverError,
     HostArenaError,
     ManagerClosedError,
@@ -74,6 +76,10 @@ __all__ = [
     "ContextReleaseError",
     "ContextReleasedError",
     "ContextReport",
+    "CopyMode",
+    "CopyPath",
+    "CopyPathPolicy",
+    "CopyPolicyError",
     "DiscardOrder",
     "DriverError",
     "HostArenaError",

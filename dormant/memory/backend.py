@@ -12,6 +12,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from dormant.memory.copy_path import CopyPath
+
 
 class Copy(NamedTuple):
     """One copy of ``nbytes`` from ``src`` to ``dst`` (raw addresses)."""
@@ -63,7 +65,9 @@ class Backend(Protocol):
     - ``map`` makes ``[va, va + size)`` read-write backed by ``handle``; ``unmap`` makes the range
       inaccessible again but keeps it reserved. Freshly created memory reads as zero.
     - ``fill`` returns only when the bytes have landed; ``copy_batch`` copies asynchronously
-      between device and registered host memory, in either direction.
+      between device and registered host memory, in either direction, by the copy engines or
+      (``CopyPath.SM``) by kernels; the two paths' batches run on streams of their own, so one
+      of each may be open at once (HYBRID, path_copies.py). Bit-exact either way.
     - A call that fails raises (``DriverError`` naming the call, or ``OutOfMemoryError``) and has
       not done its work: a failed ``unmap`` leaves the range mapped, a failed ``release`` leaves
       the handle alive, a failed ``map`` leaves the range unmapped. The caller keeps its records.
@@ -94,7 +98,10 @@ class Backend(Protocol):
 
     def view(self, va: int, nbytes: int, on_free: Callable[[], None]) -> torch.Tensor: ...
     def fill(self, spans: Sequence[Span], value: int) -> None: ...
-    def copy_batch(self) -> CopyBatch: ...
+    def copy_batch(self, path: CopyPath = CopyPath.COPY_ENGINE) -> CopyBatch:
+        """A batch copying by ``path``: COPY_ENGINE or SM (HYBRID is two batches)."""
+        ...
+
     def hash_batch(self) -> HashBatch:
         """Content hashes of device memory, computed where the memory lives (see HashBatch)."""
         ...

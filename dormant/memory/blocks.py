@@ -16,6 +16,7 @@ from dormant.memory.arena import HostArena
 from dormant.memory.audit import AuditRecord, call_site
 from dormant.memory.backend import Backend
 from dormant.memory.pool import Block, TagPool
+from dormant.memory.release_history import ReleaseHistory
 from dormant.memory.slab_rules import SlabRule
 
 
@@ -36,6 +37,7 @@ class BlockTable:
         self.slab_rules = dict(slab_rules or {})  # tags with a rule of their own
         self.pools: dict[str, TagPool] = {}
         self._blocks: dict[int, tuple[Block, AuditRecord]] = {}
+        self.releases = ReleaseHistory()  # every release of physical memory, sleep's and free's
 
     def add_tag(self, tag: str, rule: SlabRule | None = None) -> None:
         """A pool for ``tag``: with ``rule``, else the tag's rule in ``slab_rules``, else the
@@ -106,7 +108,10 @@ class BlockTable:
     def free(self, block: Block) -> None:
         """Frees ``block`` in any state; its allocation's VA and host copy go if it was the last."""
         del self._blocks[block.address]
+        held_memory = block.allocation.handle is not None
         destroyed = self.pools[block.allocation.tag].free(block)
+        if destroyed is not None and held_memory:
+            self.releases.record(destroyed.size)
         if destroyed is not None and destroyed.region is not None:
             self.arena.free(destroyed.region)
             destroyed.region = None

@@ -5,7 +5,10 @@
 - Sizes are rounded to the allocation granularity by the caller; each allocation is one handle.
 - Copies between device and the pinned host arena go one per allocation, round-robin on a few
   dedicated non-blocking streams, each followed by an event, so the caller can release an
-  allocation the moment its own copy lands while later copies are still running.
+  allocation the moment its own copy lands while later copies are still running. The SM path
+  (copy_path.py) has streams and events of its own (cuda_copies.py).
+- Host memory is pinned mapped (``DEVICEMAP``) and its device address recorded, so that SM
+  kernels can read and write it (host_mappings.py).
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from typing import Any
 
 import torch
 
-from dormant.memory.backend import Copy, Span
+from dormant.memory.backend import Span
+from dormant.memory.copy_path import CopyPath
+from dormant.memory.cuda_copies import CudaCopies, EventPool, SmIssue
 from dormant.memory.cuda_driver import call, driver
 from dormant.memory.dlpack import tensor_at
+from dormant.memory.host_mappings import HostMappings
+from dormant.memory.sm_copy import sm_copy
 
 
 class CudaBackend:
@@ -50,9 +57,14 @@ class CudaBackend:
 
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         self._streams = [call("cuStreamCreate", flags) for _ in range(num_streams)]
-        self._events = _EventPool()
+        self._events = EventPool()
+        self._sm_streams = [call("cuStreamCreate", flags) for _ in range(num_streams)]
+        self._sm_events = EventPool()
+        self.host_mappings = HostMappings()
+        self._sm_issue = SmIssue(self.device, self.host_mappings)
         self._handles: dict[int, Any] = {}
         self._warm_up_hash()
+        self._warm_up_sm_copy()
 
     def _warm_up_hash(self) -> None:
         """Compiles the hash kernels now (one kernel serves every span count), and makes
@@ -62,6 +74,13 @@ class CudaBackend:
         spans = [Span(scratch.data_ptr(), 2048), Span(scratch.data_ptr() + 2048, 2048)]
         hashes = self.hash_batch()
         hashes.wait(hashes.add(spans))
+
+    def _warm_up_sm_copy(self) -> None:
+        """Loads the SM path's kernels (uint8 and int32) now, not in the first wake that uses
+        them (CUDA loads modules lazily)."""
+        scratch = torch.zeros(64, dtype=torch.uint8, device=self.device)
+        sm_copy(scratch.data_ptr() + 33, scratch.data_ptr() + 1, 30, self.device)
+        torch.cuda.synchronize(self.device)
 
     def _ensure_context(self) -> None:
         if not getattr(self._local, "has_context", False):
@@ -128,9 +147,13 @@ class CudaBackend:
             )
         self._wait()
 
-    def copy_batch(self) -> _CudaCopies:
+    def copy_batch(self, path: CopyPath = CopyPath.COPY_ENGINE) -> CudaCopies:
         self._ensure_context()
-        return _CudaCopies(self._streams, self._events)
+        if path is CopyPath.COPY_ENGINE:
+            return CudaCopies(self._streams, self._events)
+        if path is CopyPath.SM:
+            return CudaCopies(self._sm_streams, self._sm_events, self._sm_issue)
+        raise ValueError("a backend batch copies by one path; HYBRID is two (path_copies.py)")
 
     def _wait(self) -> None:
         for stream in self._streams:
@@ -141,13 +164,23 @@ class CudaBackend:
         return _CudaHashes(self.device)
 
     def pin(self, address: int, size: int) -> None:
+        """Registers the range portable and mapped, and records its device address (on the
+        H200 the host address itself). All or nothing."""
         self._ensure_context()
-        portable = driver().CU_MEMHOSTREGISTER_PORTABLE
-        call("cuMemHostRegister", address, size, portable)
+        cu = driver()
+        flags = cu.CU_MEMHOSTREGISTER_PORTABLE | cu.CU_MEMHOSTREGISTER_DEVICEMAP
+        call("cuMemHostRegister", address, size, flags)
+        try:
+            device = int(call("cuMemHostGetDevicePointer", address, 0))
+            self.host_mappings.add(address, size, device)
+        except BaseException:
+            call("cuMemHostUnregister", address)
+            raise
 
     def unpin(self, address: int, size: int) -> None:
         self._ensure_context()
         call("cuMemHostUnregister", address)
+        self.host_mappings.remove(address)
 
 
 class _CudaHashes:
@@ -168,69 +201,3 @@ class _CudaHashes:
 
     def wait(self, index: int) -> list[bytes]:
         return self._groups[index].result()
-
-
-class _EventPool:
-    """Reusable CUDA events (timing disabled). Events are handed out in order from index 0 for
-    each batch; a batch is always waited for completely before the next one starts."""
-
-    def __init__(self) -> None:
-        self._events: list[Any] = []
-
-    def get(self, index: int) -> Any:
-        while len(self._events) <= index:
-            flags = driver().CUevent_flags.CU_EVENT_DISABLE_TIMING
-            self._events.append(call("cuEventCreate", flags))
-        return self._events[index]
-
-
-class _CudaCopies:
-    """One ``cuMemcpyAsync`` per copy (unified addressing picks the direction).
-
-    Copies go in groups of at least ``GROUP_BYTES`` on one stream, each group closed by an event,
-    and groups go round-robin over the streams. Large copies are a group each; thousands of small
-    ones share an event per group, which keeps the driver calls per copy down to one.
-    """
-
-    GROUP_BYTES = 64 << 20
-
-    def __init__(self, streams: list[Any], events: _EventPool) -> None:
-        self._streams = streams
-        self._events = events
-        self._group_of: list[int] = []  # copy index -> group index
-        self._num_closed = 0
-        self._open_bytes = 0
-        self._is_synced: list[bool] = []
-
-    def _stream(self) -> Any:
-        return self._streams[self._num_closed % len(self._streams)]
-
-    def add(self, copy: Copy) -> int:
-        call("cuMemcpyAsync", copy.dst, copy.src, copy.nbytes, self._stream())
-        self._group_of.append(self._num_closed)
-        self._open_bytes += copy.nbytes
-        if self._open_bytes >= self.GROUP_BYTES:
-            self._close_group()
-        return len(self._group_of) - 1
-
-    def _close_group(self) -> None:
-        call("cuEventRecord", self._events.get(self._num_closed), self._stream())
-        self._is_synced.append(False)
-        self._num_closed += 1
-        self._open_bytes = 0
-
-    def wait(self, index: int) -> None:
-        group = self._group_of[index]
-        if group == self._num_closed:  # the copy's group is still open
-            self._close_group()
-        if not self._is_synced[group]:
-            call("cuEventSynchronize", self._events.get(group))
-            self._is_synced[group] = True
-
-    def wait_all(self) -> None:
-        """Synchronizes the streams this batch used: none for a batch with no copy, so a sleep
-        or wake that only releases or maps makes no call here."""
-        has_open_group = bool(self._group_of) and self._group_of[-1] == self._num_closed
-        num_groups = self._num_closed + has_open_group
-        for stream in self._streams[: min(num_groups, len(self._streams))]:
-            call("cuStreamSynchronize", stream)

@@ -31,6 +31,10 @@ class UnknownDiscardOrderError(MemoryLayerError, ValueError):
     """A discard order that is not one of ``DiscardOrder``'s (offload.py)."""
 
 
+class CopyPolicyError(MemoryLayerError, ValueError):
+    """A wake copy policy (copy_path.py) with an unknown mode or path, or an invalid number."""
+
+
 class SleepConflictError(MemoryLayerError):
     """A sleep request conflicts with how a tag is already asleep (a different policy)."""
 

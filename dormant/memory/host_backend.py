@@ -27,10 +27,13 @@ import torch
 
 from dormant.memory import libc
 from dormant.memory.backend import Copy, Span
+from dormant.memory.copy_path import CopyPath
 from dormant.memory.dlpack import tensor_at
 from dormant.memory.errors import DriverError, OutOfMemoryError
+from dormant.memory.sm_copy import sm_copy
 
 _instances = itertools.count()
+_CPU = torch.device("cpu")
 _T = TypeVar("_T")
 
 
@@ -155,8 +158,12 @@ class HostBackend:
         for span in spans:
             libc.memset(span.address, value, span.nbytes)
 
-    def copy_batch(self) -> _ImmediateCopies:
-        return _ImmediateCopies()
+    def copy_batch(self, path: CopyPath = CopyPath.COPY_ENGINE) -> _ImmediateCopies:
+        """COPY_ENGINE: memmove; SM: the SM path's elementwise kernels (sm_copy.py) on CPU
+        tensors, so the CPU tests run its pieces."""
+        if path is CopyPath.HYBRID:
+            raise ValueError("a backend batch copies by one path; HYBRID is two (path_copies.py)")
+        return _ImmediateCopies(path)
 
     def hash_batch(self) -> _ImmediateHashes:
         return _ImmediateHashes()
@@ -169,13 +176,18 @@ class HostBackend:
 
 
 class _ImmediateCopies:
-    """Host copies are plain memmoves: each has landed when ``add`` returns."""
+    """Host copies are memmoves (or elementwise kernels, for SM): each has landed when ``add``
+    returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: CopyPath) -> None:
         self._count = 0
+        self._path = path
 
     def add(self, copy: Copy) -> int:
-        ctypes.memmove(copy.dst, copy.src, copy.nbytes)
+        if self._path is CopyPath.SM:
+            sm_copy(copy.dst, copy.src, copy.nbytes, _CPU)
+        else:
+            ctypes.memmove(copy.dst, copy.src, copy.nbytes)
         self._count += 1
         return self._count - 1
 

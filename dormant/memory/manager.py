@@ -23,10 +23,12 @@ from dormant.memory.backends import open_backend
 from dormant.memory.blocks import BlockTable
 from dormant.memory.capture import TagPools
 from dormant.memory.context_release import ContextRelease
+from dormant.memory.copy_path import CopyMode, CopyPathPolicy
 from dormant.memory.frontends import Frontends
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.offload import DiscardOrder
 from dormant.memory.policy import BUILTIN_TAGS, CUDA_GRAPH, Policy, sleep_request
+from dormant.memory.release_history import ReleaseHistory
 from dormant.memory.residual import ResidualLedger
 from dormant.memory.serial import SerialSection
 from dormant.memory.slab_rules import SlabRule, tag_slab_rules
@@ -58,6 +60,9 @@ class MemoryManager:
             see slab_rules.py).
         host_capacity: capacity of the host backend in bytes (tests use it to provoke OOM).
         arena_chunk_bytes: the size the host arena grows by (a region larger than it gets its own).
+        copy_policy: how a wake copies its HOST bytes back (copy_path.py): a ``CopyPathPolicy``,
+            or a mode ("auto", "copy_engine", "sm", "hybrid"); None: ``$DORMANT_WAKE_COPY_PATH``,
+            else "auto". Settable later, as ``mm.copy_policy``.
     """
 
     def __init__(
@@ -74,7 +79,9 @@ class MemoryManager:
         slab_rules: Mapping[str, SlabRule] | None = None,
         host_capacity: int | None = None,
         arena_chunk_bytes: int = 1 << 30,
+        copy_policy: CopyPathPolicy | CopyMode | str | None = None,
     ) -> None:
+        self.copy_policy = copy_policy  # parsed by the setter, before anything is made
         self.backend = open_backend(device, host_capacity=host_capacity)
         device_slots.claim(self.backend.device_key)
         self.poison, self.strict = poison, strict
@@ -104,6 +111,20 @@ class MemoryManager:
     def discard_order(self, order: DiscardOrder | str) -> None:
         """Raises UnknownDiscardOrderError (and keeps the order) for an unknown one."""
         self._discard_order = DiscardOrder.parse(order)
+
+    @property
+    def copy_policy(self) -> CopyPathPolicy:
+        return self._copy_policy
+
+    @copy_policy.setter
+    def copy_policy(self, policy: CopyPathPolicy | CopyMode | str | None) -> None:
+        """Raises CopyPolicyError (and keeps the policy) for an unknown mode."""
+        self._copy_policy = CopyPathPolicy.parse(policy)
+
+    @property
+    def release_history(self) -> ReleaseHistory:
+        """Every release of physical memory this manager made (what ``copy_policy`` reads)."""
+        return self._table.releases
 
     # ── tags ──────────────────────────────────────────────────────────────────────────────────
     @property
@@ -240,9 +261,12 @@ class MemoryManager:
 
         Transactional: if mapping fails nothing changes, and WakeOutOfMemoryError says how many
         bytes were needed and how many were free (another driver failure: WakeFailedError).
-        ``WakeReport.lost`` lists contents that could not be restored (see WakeReport).
+        ``WakeReport.lost`` lists contents that could not be restored (see WakeReport), and
+        ``WakeReport.copy_path`` how the copies ran (``copy_policy`` chose it).
         """
-        return self._sleep_wake.wake(tags, poison=self.poison, keep_arena=self.keep_arena)
+        return self._sleep_wake.wake(
+            tags, poison=self.poison, keep_arena=self.keep_arena, copy_policy=self._copy_policy
+        )
 
     def prepare_arena(
         self,

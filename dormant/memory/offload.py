@@ -43,6 +43,7 @@ from dormant.memory.arena import HostArena
 from dormant.memory.backend import Backend, Copy
 from dormant.memory.errors import UnknownDiscardOrderError
 from dormant.memory.policy import Policy, member_named
+from dormant.memory.release_history import ReleaseHistory
 from dormant.memory.status import SleepReport
 from dormant.memory.steps import ReleaseClock, drain, region_of
 
@@ -77,8 +78,9 @@ def sleep_allocations(
     *,
     skip_unchanged: bool,
     discard_order: DiscardOrder = DiscardOrder.UNDER_COPIES,
+    releases: ReleaseHistory | None = None,
 ) -> SleepReport:
-    """Offloads ``host`` and discards ``discard``.
+    """Offloads ``host`` and discards ``discard``; each release is noted in ``releases``.
 
     Preconditions: each allocation is MAPPED, or UNMAPPED on its way into the same policy (a HOST
     one then has a valid host copy). A MAPPED HOST allocation whose content hash equals the digest
@@ -96,7 +98,7 @@ def sleep_allocations(
             allocation.region, allocation.has_host_copy, allocation.digest = region, False, None
     t_arena = time.perf_counter()
 
-    clock = ReleaseClock(backend)
+    clock = ReleaseClock(backend, releases)
     groups = hash_groups([a for a in host if a.state is State.MAPPED])
     stale, unchanged = _sort_by_digest(backend, groups, skip_unchanged, clock)
     t_hash, released_while_hashing = time.perf_counter(), clock.release_s

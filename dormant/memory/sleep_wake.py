@@ -16,6 +16,7 @@ from dormant.memory.audit import check_strict
 from dormant.memory.blocks import BlockTable
 from dormant.memory.capture import check_not_capturing
 from dormant.memory.context_release import ContextRelease
+from dormant.memory.copy_path import CopyPathPolicy
 from dormant.memory.errors import DriverError, SleepFailedError, WakeFailedError
 from dormant.memory.frontends import Frontends
 from dormant.memory.guard import PointerGuard
@@ -47,6 +48,7 @@ def sleep_tags(
             plan.discard,
             skip_unchanged=skip_unchanged,
             discard_order=discard_order,
+            releases=table.releases,
         )
     except DriverError as error:
         outcome = "The sleep stopped there; what was released before it stays released."
@@ -57,19 +59,33 @@ def sleep_tags(
 
 
 def wake_tags(
-    table: BlockTable, tags: Iterable[str], *, poison: bool, keep_arena: bool
+    table: BlockTable,
+    tags: Iterable[str],
+    *,
+    poison: bool,
+    keep_arena: bool,
+    copy_policy: CopyPathPolicy | None = None,
 ) -> WakeReport:
     """Maps back everything in ``tags`` that is not mapped; all or nothing. Out of memory raises
-    WakeOutOfMemoryError, another failed driver call WakeFailedError; neither changes a state."""
+    WakeOutOfMemoryError, another failed driver call WakeFailedError; neither changes a state.
+    The copies go by the path ``copy_policy`` chooses from the table's recent releases."""
     waking, allocations = plan_wake(table.pools, tags)
+    policy = CopyPathPolicy() if copy_policy is None else copy_policy
+    choice = policy.choose(table.releases)
     try:
-        report = wake_allocations(table.backend, allocations, poison=poison)
+        report = wake_allocations(
+            table.backend,
+            allocations,
+            poison=poison,
+            copy_path=choice.path,
+            sm_fraction=policy.sm_fraction,
+        )
     except DriverError as error:
         outcome = "The wake was rolled back: every state is as it was."
         raise failure(WakeFailedError, error, table.pools, waking, outcome) from error
     if not keep_arena:
         table.drop_host_copies()
-    return replace(report, tags=tuple(waking))
+    return replace(report, tags=tuple(waking), recent_release_bytes=choice.recent_release_bytes)
 
 
 def prepare_host_copies(
@@ -123,16 +139,23 @@ class SleepWake:
             return self.last_sleep
 
     def wake(
-        self, tags: str | Iterable[str] | None, *, poison: bool, keep_arena: bool
+        self,
+        tags: str | Iterable[str] | None,
+        *,
+        poison: bool,
+        keep_arena: bool,
+        copy_policy: CopyPathPolicy | None = None,
     ) -> WakeReport:
-        """Wakes ``tags`` (None: every tag)."""
+        """Wakes ``tags`` (None: every tag), copying by the path ``copy_policy`` chooses."""
         check_not_capturing("wake_up()")
         self._context.restore()  # a released CUDA context comes back first
         with self._front.op():
             pools = self._table.pools
             names = list(pools) if tags is None else self._front.check_tags(as_tag_list(tags))
             self._guard.verify()
-            self.last_wake = wake_tags(self._table, names, poison=poison, keep_arena=keep_arena)
+            self.last_wake = wake_tags(
+                self._table, names, poison=poison, keep_arena=keep_arena, copy_policy=copy_policy
+            )
             return self.last_wake
 
     def prepare(self, request: Mapping[str, Policy], num_threads: int) -> ArenaPreparation:

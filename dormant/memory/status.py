@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dormant.memory.copy_path import CopyPath
 from dormant.memory.policy import Policy
 from dormant.memory.states import State, TagState, describe
 
@@ -75,6 +76,10 @@ class WakeReport:
     ``lost`` lists (tag, bytes) whose contents could not be restored: OFFLOADED allocations whose
     host copy had never completed. They come back zeroed (poisoned in poison mode). With the sleep
     order of DESIGN §2.3 this cannot happen; if it ever does, it is reported here, never silent.
+
+    ``copy_path`` is how the copies ran (copy_path.py; None when the wake copied nothing), with
+    the bytes each path carried; ``recent_release_bytes`` what the policy saw released within its
+    window just before the wake.
     """
 
     tags: tuple[str, ...] = ()
@@ -84,6 +89,10 @@ class WakeReport:
     bytes_mapped: int = 0
     bytes_copied: int = 0
     lost: tuple[tuple[str, int], ...] = ()
+    copy_path: CopyPath | None = None
+    bytes_copy_engine: int = 0
+    bytes_sm: int = 0
+    recent_release_bytes: int = 0
 
     @property
     def bytes_lost(self) -> int:
@@ -187,6 +196,7 @@ class MemoryStatus:
             lines.append(
                 f"  last wake {w.total_s * 1e3:.1f} ms: mapped {w.bytes_mapped / GiB:.3f} GiB, "
                 f"copied {w.bytes_copied / GiB:.3f} GiB at {w.copy_gbps:.1f} GB/s"
+                + ("" if w.copy_path is None else f" ({w.copy_path.value})")
             )
             lines += [f"  LOST on that wake: {tag} {n:,} bytes (no host copy)" for tag, n in w.lost]
         return "\n".join(lines)

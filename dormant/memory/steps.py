@@ -13,6 +13,7 @@ from dormant.memory.allocation import Allocation, State
 from dormant.memory.arena import Region
 from dormant.memory.backend import Backend, CopyBatch
 from dormant.memory.policy import Policy
+from dormant.memory.release_history import ReleaseHistory
 
 
 def unmap(backend: Backend, allocation: Allocation, policy: Policy) -> None:
@@ -32,11 +33,13 @@ def release(backend: Backend, allocation: Allocation, policy: Policy) -> None:
 
 class ReleaseClock:
     """Releases allocations and adds up the wall time spent in the driver's unmap and release
-    calls: ``release_s`` for all of them, ``discard_s`` for the DISCARD ones. Thread-safe for
+    calls: ``release_s`` for all of them, ``discard_s`` for the DISCARD ones. Each release that
+    lands is noted in ``history`` (the wake's copy path reads it: copy_path.py). Thread-safe for
     one releasing thread besides the caller's, each adding to its own fields (see offload.py)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, history: ReleaseHistory | None = None) -> None:
         self.backend = backend
+        self.history = ReleaseHistory() if history is None else history
         self.release_s = 0.0  # HOST releases (unchanged, or once their copy landed)
         self.discard_s = 0.0  # DISCARD unmaps and releases
 
@@ -46,6 +49,7 @@ class ReleaseClock:
             release(self.backend, allocation, policy)
         finally:
             self._add(policy, time.perf_counter() - start)
+        self.history.record(allocation.size)
 
     def unmap(self, allocation: Allocation, policy: Policy) -> None:
         start = time.perf_counter()

@@ -7,6 +7,7 @@ Wake::
 
     map each allocation, in order    UNMAPPED: its own handle again (contents intact); others: a
                                      new handle, starting the H2D copy as soon as it is mapped
+                                     (by the copy path the caller chose: copy_path.py)
     on any failure                   wait for the copies, unmap + release what this call created
                                      (unmap only, for a handle the allocation already held), leave
                                      every state as it was, raise
@@ -28,7 +29,9 @@ from collections.abc import Sequence
 
 from dormant.memory.allocation import Allocation, State
 from dormant.memory.backend import Backend, Copy, CopyBatch
+from dormant.memory.copy_path import CopyPath
 from dormant.memory.errors import OutOfMemoryError, WakeOutOfMemoryError
+from dormant.memory.path_copies import PathCopies
 from dormant.memory.status import WakeReport
 from dormant.memory.steps import drain, handle_of, region_of
 
@@ -37,10 +40,15 @@ _WAKE_ORDER = {State.OFFLOADED: 0, State.UNMAPPED: 1, State.DISCARDED: 2}
 
 
 def wake_allocations(
-    backend: Backend, allocations: Sequence[Allocation], *, poison: bool
+    backend: Backend,
+    allocations: Sequence[Allocation],
+    *,
+    poison: bool,
+    copy_path: CopyPath = CopyPath.COPY_ENGINE,
+    sm_fraction: float = 0.5,
 ) -> WakeReport:
-    """Maps every allocation (none MAPPED) at its own VA, then restores or poisons it. All or
-    nothing.
+    """Maps every allocation (none MAPPED) at its own VA, then restores or poisons it, copying
+    by ``copy_path`` (``sm_fraction`` of each copy by SM kernels under HYBRID). All or nothing.
 
     On any failure the memory mapped by this call is unmapped, what it created is released, every
     state is left as it was, and the error is raised (out-of-memory as WakeOutOfMemoryError with
@@ -53,7 +61,7 @@ def wake_allocations(
     remapped: list[Allocation] = []  # UNMAPPED allocations whose own handle is mapped again
     lost: list[Allocation] = []
     num_copies = 0
-    batch = backend.copy_batch()
+    batch = PathCopies(backend, copy_path, sm_fraction)
     try:
         for allocation in ordered:
             if allocation.state is State.UNMAPPED:
@@ -96,6 +104,9 @@ def wake_allocations(
         bytes_mapped=sum(a.size for a in allocations),
         bytes_copied=copied,
         lost=_bytes_by_tag(lost),
+        copy_path=copy_path if num_copies else None,
+        bytes_copy_engine=batch.bytes_by_path[CopyPath.COPY_ENGINE],
+        bytes_sm=batch.bytes_by_path[CopyPath.SM],
     )
 
 

@@ -23,6 +23,7 @@ import torch
 
 from dormant.memory import DriverError, MemoryManager, State, TagState
 from dormant.memory.backend import Copy, Span
+from dormant.memory.copy_path import CopyPath
 from dormant.memory.host_backend import HostBackend
 from dormant.memory.tag_machine import tag_state
 
@@ -95,8 +96,8 @@ class FaultyBackend:
 
         return counted
 
-    def copy_batch(self) -> _FaultyCopies:
-        return _FaultyCopies(self, self.inner.copy_batch())
+    def copy_batch(self, path: CopyPath = CopyPath.COPY_ENGINE) -> _FaultyCopies:
+        return _FaultyCopies(self, self.inner.copy_batch(path))
 
     def hash_batch(self) -> _FaultyHashes:
         return _FaultyHashes(self, self.inner.hash_batch())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dormant.memory import (
+    CopyPath,
     DiscardOrder,
     DriverError,
     MemoryManager,
@@ -57,8 +58,8 @@ class OrderBackend(FaultyBackend):
         self._record("release", size)
         self.inner.release(handle)
 
-    def copy_batch(self):  # type: ignore[no-untyped-def]
-        inner, record, sizes = self.inner.copy_batch(), self._record, []
+    def copy_batch(self, path=CopyPath.COPY_ENGINE):  # type: ignore[no-untyped-def]
+        inner, record, sizes = self.inner.copy_batch(path), self._record, []
 
         class Copies:
             def add(self, copy):  # type: ignore[no-untyped-def]
@@ -197,12 +198,12 @@ def test_cuda_copies_synchronize_only_the_streams_they_used(
 ) -> None:
     """The cuda backend's copy batch against a recording stand-in for the driver: an empty
     batch's wait_all makes no call; one group waits for its own stream only."""
-    from dormant.memory import cuda_backend
+    from dormant.memory import cuda_copies
     from dormant.memory.backend import Copy
 
     calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(cuda_backend, "call", lambda name, *args: calls.append((name, args[-1])))
-    batch = cuda_backend._CudaCopies(["s0", "s1"], _Events())  # type: ignore[arg-type]
+    monkeypatch.setattr(cuda_copies, "call", lambda name, *args: calls.append((name, args[-1])))
+    batch = cuda_copies.CudaCopies(["s0", "s1"], _Events())  # type: ignore[arg-type]
     for size in sizes:
         batch.add(Copy(0, 0, size))
     calls.clear()

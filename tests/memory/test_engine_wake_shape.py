@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from dormant import LLM
+from dormant.memory.copy_path import CopyPath
 from dormant.models import ModelConfig
 from tests.engine.conftest import hf_config
 
@@ -42,8 +43,8 @@ class Calls:
             setattr(backend, name, self._counted(name, getattr(backend, name)))
         make_batch = backend.copy_batch
 
-        def copy_batch() -> Any:
-            batch = make_batch()
+        def copy_batch(path: CopyPath = CopyPath.COPY_ENGINE) -> Any:
+            batch = make_batch(path)
             add = batch.add
             batch.add = lambda copy: (self.copies.append(tuple(copy)), add(copy))[1]
             return batch

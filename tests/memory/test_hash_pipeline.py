@@ -12,6 +12,7 @@ import torch
 
 from dormant.memory import MemoryManager, offload
 from dormant.memory.allocation import Allocation, Kind
+from dormant.memory.copy_path import CopyPath
 from tests.memory.faults import FaultyBackend
 from tests.memory.helpers import random_fill, same_bytes
 
@@ -29,8 +30,8 @@ class RecordingBackend(FaultyBackend):
         self.events.append(("unmap", size))
         self.inner.unmap(va, size)
 
-    def copy_batch(self):  # type: ignore[no-untyped-def]
-        inner, events, sizes = self.inner.copy_batch(), self.events, []
+    def copy_batch(self, path=CopyPath.COPY_ENGINE):  # type: ignore[no-untyped-def]
+        inner, events, sizes = self.inner.copy_batch(path), self.events, []
 
         class Copies:
             def add(self, copy):  # type: ignore[no-untyped-def]
