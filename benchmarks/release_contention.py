@@ -10,16 +10,22 @@ second after ``cuMemRelease`` returns, with the copy engines that host-to-device
 This probe releases ``--release-gib`` of KV through a MemoryManager (a level-1 DISCARD) and then,
 for ``--window-s`` seconds, times back-to-back copies of ``--chunk-mib`` each, cycling through:
 
-  op        engine   what it shows
-  h2d ce    copy     cudaMemcpyAsync pinned -> device: the wake's own copy
-  d2d ce    copy     cudaMemcpyAsync device -> device: HBM through the copy engines
-  h2d sm    SMs      a kernel reading the pinned buffer through its device mapping (UVA):
-                     host-to-device without the copy engines
+  op          engine   what it shows
+  h2d ce      copy     cudaMemcpyAsync pinned -> device: the wake's own copy
+  d2d ce      copy     cudaMemcpyAsync device -> device: HBM through the copy engines
+  h2d sm      SMs      dormant.memory.sm_copy: kernels reading the pinned buffer through its
+                       device mapping: host-to-device without the copy engines
+  h2d hybrid  both     half the bytes by h2d ce on one stream, half by h2d sm on another,
+                       concurrently (the wake's CopyPath.HYBRID at sm_fraction 0.5)
+  d2h ce      copy     cudaMemcpyAsync device -> pinned (a sleep's copy)
+  d2h sm      SMs      sm_copy writing the pinned buffer through its device mapping
 
 The same cycle with no release before it is the baseline. If only the copy-engine rows slow down
-after the release, the reclaim uses the copy engines, and a wake could copy with the SMs instead.
+after the release, the reclaim uses the copy engines, and a wake could copy with the SMs instead;
+if h2d hybrid beats both h2d rows, both together use the link better than either alone.
+(2026-12-02d run 3 had only the first three, its h2d sm a CuPy view of the buffer.)
 
-Usage: python benchmarks/release_contention.py [--out results.jsonl]
+Usage: python benchmarks/release_contention.py [--out results.jsonl] [--ops "h2d ce,h2d sm"]
 """
 
 from __future__ import annotations
@@ -36,19 +42,65 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import GiB, MiB, Recorder, environment, table
-from dormant.memory import MemoryManager
+from dormant.memory import DriverError, MemoryManager
+from dormant.memory.cuda_driver import call
+from dormant.memory.sm_copy import sm_copy
+
+OPS = ("h2d ce", "d2d ce", "h2d sm", "h2d hybrid", "d2h ce", "d2h sm")
 
 
-def device_view_of_pinned(host: torch.Tensor) -> torch.Tensor | None:
-    """A CUDA tensor at the pinned buffer's address (UVA maps pinned memory at the same pointer),
-    so that torch's elementwise kernels read it over PCIe; ``None`` without CuPy."""
+def device_address(host: torch.Tensor) -> int:
+    """The device address of torch's pinned buffer: the driver's answer, or under unified
+    addressing the host pointer itself (memory from cudaHostAlloc is always mapped there)."""
     try:
-        import cupy
-    except ImportError:
-        return None
-    memory = cupy.cuda.UnownedMemory(host.data_ptr(), host.numel(), host, device_id=0)
-    array = cupy.ndarray((host.numel() // 4,), cupy.int32, cupy.cuda.MemoryPointer(memory, 0))
-    return torch.as_tensor(array, device="cuda")
+        return int(call("cuMemHostGetDevicePointer", host.data_ptr(), 0))
+    except DriverError:
+        return host.data_ptr()
+
+
+def copy_ops(host: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> dict[str, Callable]:
+    """Every op of the docstring's table, each on torch's current stream (so CUDA events time
+    it); ``host`` is pinned, ``dst`` and ``src`` are device buffers of the same size."""
+    nbytes, device = host.numel(), dst.device
+    host_address = device_address(host)
+    half = nbytes // 2
+    side = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def hybrid() -> None:
+        main = torch.cuda.current_stream()
+        for stream in side:
+            stream.wait_stream(main)
+        with torch.cuda.stream(side[0]):
+            dst[:half].copy_(host[:half], non_blocking=True)
+        with torch.cuda.stream(side[1]):
+            sm_copy(dst.data_ptr() + half, host_address + half, nbytes - half, device)
+        for stream in side:
+            main.wait_stream(stream)
+
+    return {
+        "h2d ce": lambda: dst.copy_(host, non_blocking=True),
+        "d2d ce": lambda: dst.copy_(src),
+        "h2d sm": lambda: sm_copy(dst.data_ptr(), host_address, nbytes, device),
+        "h2d hybrid": hybrid,
+        "d2h ce": lambda: host.copy_(src, non_blocking=True),
+        "d2h sm": lambda: sm_copy(host_address, src.data_ptr(), nbytes, device),
+    }
+
+
+def check_exact(rec: Recorder, ops: dict[str, Callable], host: torch.Tensor, dst: torch.Tensor,
+                src: torch.Tensor) -> None:  # fmt: skip
+    """One row per op: whether its copy landed bit-exact."""
+    expected_h2d, expected_d2h = host.clone(), src.cpu()
+    for name, op in ops.items():
+        if name == "d2d ce":
+            continue
+        dst.zero_()
+        host.copy_(expected_h2d)
+        op()
+        torch.cuda.synchronize()
+        got, want = (dst.cpu(), expected_h2d) if name.startswith("h2d") else (host, expected_d2h)
+        rec.emit(case="check", op=name, is_exact=bool(torch.equal(got, want)))
+    host.copy_(expected_h2d)
 
 
 def time_op(op: Callable[[], object]) -> float:
@@ -79,28 +131,23 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=256)
     parser.add_argument("--window-s", type=float, default=0.6)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ops", default=",".join(OPS), help=f"a subset of {', '.join(OPS)}")
     args = parser.parse_args()
+    names = [name.strip() for name in args.ops.split(",")]
+    if unknown := sorted(set(names) - set(OPS)):
+        parser.error(f"unknown ops {unknown}; use some of {', '.join(OPS)}")
     rec = Recorder(args.out)
     rec.emit(case="environment", **environment())
+    mm = MemoryManager("cuda")  # first: its backend makes the driver's context current here
     nbytes = args.chunk_mib * MiB
     host = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).pin_memory()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    ops: dict[str, Callable[[], object]] = {
-        "h2d ce": lambda: dst.copy_(host, non_blocking=True),
-        "d2d ce": lambda: dst.copy_(src),
-    }
-    host_view = device_view_of_pinned(host)
-    if host_view is not None:
-        dst_words = dst.view(torch.int32)
-        ops["h2d sm"] = lambda: torch.bitwise_or(host_view, 0, out=dst_words)
-        torch.bitwise_or(host_view, 0, out=dst_words)
-        torch.cuda.synchronize()
-        rec.emit(case="check", op="h2d sm", is_exact=bool(torch.equal(dst.cpu(), host)))
+    ops = {name: op for name, op in copy_ops(host, dst, src).items() if name in names}
+    check_exact(rec, ops, host, dst, src)
     for op in ops.values():  # warm up
         time_op(op)
 
-    mm = MemoryManager("cuda")
     kv = mm.empty((args.release_gib * GiB,), torch.uint8, "kv_cache")
     kv.view(-1)[:: 64 * MiB].fill_(1)
     rows = []
