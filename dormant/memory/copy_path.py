@@ -17,20 +17,26 @@ right after a sleep released 60-75 GB ran at 1.5 x the copy limit; 0.25 s later,
     HYBRID        HYBRID: each copy split, ``sm_fraction`` of it by SM kernels on their own
                   streams, the rest by the copy engines, concurrently
 
-Why these defaults (the H200 runs of 2026-12-02d; to be confirmed on the GPU by
-benchmarks/wake_after_release.py --copy-path all and benchmarks/release_contention.py):
-- ``busy_path`` SM: the only path measured inside the reclaim (50 against 28 GB/s). Outside it
-  the SM path is ~8% slower than the copy engines (50 against 55 GB/s), so a 16 GiB wake by SM
-  is expected at ~1.15-1.25 x the copy limit: better than 1.5 x, short of the 1.1 x target.
-  HYBRID could reach the limit if the reclaim leaves the link half idle (CE 28 + SM ~27) and the
-  two share it fairly afterwards; that is unmeasured, and the benchmark decides.
-- ``window_s`` 0.2: the copy engines ran at half speed for 0.25 s after a 60 GiB release. With
-  SM at 50 and CE at 28 -> 55 GB/s, SM wins on a 16 GiB wake only while more than ~65 ms of the
-  reclaim remain: a wake starting up to ~0.19 s after the release. (At a 0.25 s gap the copy
-  engines already woke at 1.07 x.)
-- ``min_release_bytes`` 32 GiB: a weights-only sleep that released 16 GiB slowed the next wake
-  by only ~9 ms (1.10 against 1.07 x), less than SM's ~25-50 ms; the KV releases of 56-75 GB
-  cost 80-125 ms. The threshold sits between the two.
+Why these defaults (measured on the H200, results/2026-12-02e-run3-wake-copy-path.jsonl and
+-release-contention.jsonl: a 16 GiB level-1 wake of the 8B-like mix after a sleep that released
+56 GiB of KV, against the pinned-copy limit):
+
+    path          no recent release      right after the release    0.05 s after   0.25 s after
+    COPY_ENGINE   1.00-1.10 x            1.51 x                     1.34 x         1.10 x
+    SM            1.08-1.16 x            1.08 x                     1.26 x         1.16 x
+    HYBRID        1.07-1.13 x            1.52 x                     1.35 x         1.14 x
+
+- ``busy_path`` SM: inside the reclaim it is at 1.08-1.26 x where the copy engines are at
+  1.34-1.51 x (the probe: SM reads at 49.6 GB/s through it, copy engines 27.3 GB/s, HYBRID
+  36 GB/s, worse than SM alone; with no release SM 49.9, HYBRID 51.8, copy engines 55).
+- ``window_s`` 0.5: a false positive costs SM's 4-8 % over the copy engines, a miss costs 35-50 %.
+  A sleep that copies while it releases leaves the reclaim running past its own end (its
+  device-to-host copies hold the copy engines): the wake right after one that released 56 GiB
+  about 0.28 s before ran at 1.46 x by the copy engines, 1.08 x by SM. At 0.25 s after a
+  sleep that copied nothing the copy engines were back at 1.10 x.
+- ``min_release_bytes`` 32 GiB: a weights-only sleep that released 16 GiB left the next wake at
+  1.09 x by the copy engines, against 1.08 x by SM: no gain to take. The KV releases of 56-75 GB
+  cost 35-50 %. The threshold sits between the two.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class CopyPathPolicy:
     """Chooses a wake's copy path (see the module's table). Frozen: replace it to change it."""
 
     mode: CopyMode = CopyMode.AUTO
-    window_s: float = 0.2
+    window_s: float = 0.5
     min_release_bytes: int = 32 * GiB
     busy_path: CopyPath = CopyPath.SM
     sm_fraction: float = 0.5  # HYBRID: the share of each copy's bytes the SM kernels take

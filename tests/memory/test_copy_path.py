@@ -74,9 +74,9 @@ def test_auto_takes_the_sm_path_right_after_a_large_release(clock: Clock) -> Non
     policy = CopyPathPolicy()
     history = history_with(clock, (0.05, 60 * GiB))
     assert policy.choose(history) == (CopyPath.SM, 60 * GiB)
-    clock.now += 0.14  # 0.19 s after: still inside the 0.2 s window
+    clock.now += 0.44  # 0.49 s after: still inside the 0.5 s window
     assert policy.choose(history).path is CopyPath.SM
-    clock.now += 0.02  # 0.21 s after
+    clock.now += 0.02  # 0.51 s after
     assert policy.choose(history) == (CopyPath.COPY_ENGINE, 0)
 
 
@@ -87,7 +87,7 @@ def test_auto_keeps_the_copy_engines_after_small_or_old_releases(clock: Clock) -
     assert policy.choose(small) == (CopyPath.COPY_ENGINE, 12 * GiB)
     weights_only = history_with(clock, (0.0, 16 * GiB))  # cost ~9 ms by the copy engines
     assert policy.choose(weights_only).path is CopyPath.COPY_ENGINE
-    old = history_with(clock, (0.5, 60 * GiB), (0.01, 1 * GiB))
+    old = history_with(clock, (0.6, 60 * GiB), (0.01, 1 * GiB))
     assert policy.choose(old) == (CopyPath.COPY_ENGINE, 1 * GiB)
 
 
@@ -262,7 +262,7 @@ def test_a_wake_after_the_window_copies_by_the_copy_engines(
 ) -> None:
     mm = MemoryManager("host", copy_policy=policy)
     weights, expected = sleep_with_large_release(mm, clock)
-    clock.now += 0.21
+    clock.now += 0.51
     report = mm.wake_up(["weights"])
     assert report.copy_path is CopyPath.COPY_ENGINE
     assert report.bytes_copy_engine == report.bytes_copied > 0 and report.bytes_sm == 0
