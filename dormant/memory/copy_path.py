@@ -30,10 +30,11 @@ Why these defaults (measured on the H200, results/2026-12-02e-run3-wake-copy-pat
   1.34-1.51 x (the probe: SM reads at 49.6 GB/s through it, copy engines 27.3 GB/s, HYBRID
   36 GB/s, worse than SM alone; with no release SM 49.9, HYBRID 51.8, copy engines 55).
 - ``window_s`` 0.5: a false positive costs SM's 4-8 % over the copy engines, a miss costs 35-50 %.
-  A sleep that copies while it releases leaves the reclaim running past its own end (its
-  device-to-host copies hold the copy engines): the wake right after one that released 56 GiB
-  about 0.28 s before ran at 1.46 x by the copy engines, 1.08 x by SM. At 0.25 s after a
-  sleep that copied nothing the copy engines were back at 1.10 x.
+  With a 0.2 s window, a wake right after a sleep that copied 15 GB while it released 75 GB
+  (most of it at the sleep's start, 0.28 s before the wake) took the copy engines and ran at
+  1.46 x (both repeats), against 1.08 x by SM. The same case with the copy engines forced ran
+  at 1.00 x; what differed was the case before it (its wake had gone by SM). Not understood;
+  0.5 s covers it. At 0.25 s after a sleep that copied nothing the copy engines were at 1.10 x.
 - ``min_release_bytes`` 32 GiB: a weights-only sleep that released 16 GiB left the next wake at
   1.09 x by the copy engines, against 1.08 x by SM: no gain to take. The KV releases of 56-75 GB
   cost 35-50 %. The threshold sits between the two.
