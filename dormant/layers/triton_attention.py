@@ -116,8 +116,9 @@ def _merge_kernel(
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:  # the partials are the split kernel's
-        gdc_wait()
+    if USE_PDL:  # the partials are the split kernel's; then the O projection may launch (a
+        gdc_wait()  # PDL GEMV, triton_gemv.py: it loads its weights; cuBLAS ignores the trigger)
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)

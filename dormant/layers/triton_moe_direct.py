@@ -133,8 +133,9 @@ def _down_combine_kernel(
     K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:  # h is gate/up's: nothing is read before it is out
-        gdc_wait()
+    if USE_PDL:  # h is gate/up's: nothing is read before it is out; then the next layer's
+        gdc_wait()  # norm may launch (it waits for our output: triton_norm.py)
+        gdc_launch_dependents()
     # K (the intermediate size) is a compile-time constant, so both loops unroll into straight
     # code and the loads of later slots can be issued before the sums of earlier ones.
     token = tl.program_id(0).to(tl.int64)
@@ -183,8 +184,9 @@ def _down_tile_kernel(
     w_ptrs += (cols.to(tl.int64) * stride_wn)[None, :, None]
     w_mask = is_slot[:, None, None] & (cols < N)[None, :, None] & (ks < K)[None, None, :]
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-    if USE_PDL:
+    if USE_PDL:  # then the next layer's norm may launch (it waits for our output)
         gdc_wait()
+        gdc_launch_dependents()
     h_mask = is_slot[:, None] & (ks < K)[None, :]
     h_ptrs = h_ptr + pairs[:, None] * stride_h + ks[None, :]
     h = tl.load(h_ptrs, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)

@@ -4,9 +4,10 @@ interpreter cannot show (it runs no inline PTX, so never the PDL code).
 
 - no variant spills a register (a spill turns a weight stream into local-memory traffic; the
   router with PDL: at batch 1);
-- under PDL each kernel waits (``griddepcontrol.wait``), the ones followed by a dependent
-  kernel trigger it only after that wait (``triton_pdl.py``'s rules), and the tile down kernel
-  issues its weight loads before the wait, in the SASS ptxas emits (what the prefetch is for).
+- under PDL each kernel waits (``griddepcontrol.wait``) and triggers its dependent (the down
+  kernels: the next layer's norm) only after that wait (``triton_pdl.py``'s rules); the tile
+  down kernel issues its weight loads before the wait, in the SASS ptxas emits (what the
+  prefetch is for).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_the_gate_up_and_loop_down_kernels_compile(pdl: bool) -> None:
     assert _spill_bytes(up) == 0 and _spill_bytes(down) == 0
     if pdl:
         _check_pdl(up, triggers=True)
-        _check_pdl(down, triggers=False)
+        _check_pdl(down, triggers=True)
 
 
 @pytest.mark.parametrize(("block_n", "num_warps"), TILE_DOWN)
@@ -68,7 +69,7 @@ def test_the_tile_down_kernel_compiles_and_prefetches(block_n: int, num_warps: i
     kernel = _compile(triton_moe_direct._down_tile_kernel, DOWN_ARGS, constexprs, num_warps)
     assert _spill_bytes(kernel) == 0
     if pdl:
-        _check_pdl(kernel, triggers=False)
+        _check_pdl(kernel, triggers=True)
         sass = _sass(kernel)
         before = sass[: sass.index("ACQBULK")]  # griddepcontrol.wait in sm_90 SASS
         assert before.count("LDG.E.128 ") >= 1, "no weight load before the wait"

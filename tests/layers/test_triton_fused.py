@@ -150,6 +150,36 @@ scale = torch.tensor(1.0)
 write_kv_cache(expected, key, value, slots, scale, scale)
 triton_write(ours, key, value, slots, scale, scale)
 assert torch.equal(ours, expected)
+
+# One token: the batch-1 PDL knobs. The CPU has no PDL, so every choice runs the same kernel with
+# USE_PDL off (the GPU runs the PDL code: tests/gpu/test_pdl_layer_chain.py); same bits.
+from dormant.layers import triton_kv_cache, triton_norm, triton_rotary
+
+def same(a, b):
+    return all(torch.equal(s, t) for s, t in zip(a, b, strict=True))
+
+x1, r1 = torch.randn(1, 96), torch.randn(1, 96)
+plain_norm = rms_norm(x1, layer.weight, 1e-6, r1, pdl=False)
+torch.testing.assert_close(plain_norm[0], layer.add_and_norm(x1, r1)[0])
+qkv1 = torch.randn(1, (num_q + 2 * num_kv) * head_dim)
+plain_qkv = qkv1.clone()
+rotate_qk_(plain_qkv, positions[3:4], cos_sin, num_q, num_kv, head_dim, weights, pdl=False)
+(q1, k1), _ = reference_qk(positions[3:4], qkv1, num_q, num_kv, head_dim, norms)
+torch.testing.assert_close(plain_qkv[:, : num_q * head_dim], q1)
+torch.testing.assert_close(plain_qkv[:, num_q * head_dim : v_start], k1)
+plain_cache = torch.zeros(2, 2, 16, num_kv, head_dim)
+triton_write(plain_cache, key[:1], value[:1], slots[2:3], scale, scale, pdl=False)
+for knob in (False, True):
+    triton_norm.USE_PDL_AT_BATCH_1 = triton_rotary.USE_PDL_AT_BATCH_1 = knob
+    triton_kv_cache.USE_PDL_AT_BATCH_1 = knob
+    for pdl in (None, True):
+        assert same(rms_norm(x1, layer.weight, 1e-6, r1, pdl=pdl), plain_norm)
+        rotated = qkv1.clone()
+        rotate_qk_(rotated, positions[3:4], cos_sin, num_q, num_kv, head_dim, weights, pdl=pdl)
+        assert torch.equal(rotated, plain_qkv)
+        written = torch.zeros_like(plain_cache)
+        triton_write(written, key[:1], value[:1], slots[2:3], scale, scale, pdl=pdl)
+        assert torch.equal(written, plain_cache)
 print("interpreted: ok")
 """
 
