@@ -3,7 +3,10 @@ kernels on random bf16 weights, each layer its own weights (so L2 does not serve
 
 A ``Variant`` is the keyword arguments the chain passes its kernels; ``Chain.default`` is the
 one that uses the modules' defaults (no arguments), so the first row of each group is what the
-engine runs today.
+engine runs today. ``Chain.reference`` is what a variant's replay is checked against: the
+default, except in the "layer" group, where each variant is checked against its own kernels
+launched plainly (its PDL GEMV sums in another order than cuBLAS, which can flip a routing id
+over the chained layers; the same kernels with and without PDL must give the same bits).
 """
 
 from __future__ import annotations
@@ -12,18 +15,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from dormant.layers.context import AttentionMetadata
+from dormant.layers.rotary import RotaryEmbedding
 from dormant.layers.triton_attention import paged_decode_attention
+from dormant.layers.triton_gemv import GemvTiles, pdl_linear
 from dormant.layers.triton_kv_cache import write_kv_cache
 from dormant.layers.triton_moe_direct import GemvConfig, fused_experts_direct
 from dormant.layers.triton_norm import rms_norm
+from dormant.layers.triton_rotary import rotate_qk_
 from dormant.layers.triton_router import new_router_ticket, router_topk
 
 HIDDEN, NUM_EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 CONTEXT, MAX_MODEL_LEN = 512, 1024  # benchmarks/moe.py's graphs plan for max_model_len
-MOE_LAYERS, ATTENTION_LAYERS = 12, 96
+MOE_LAYERS, ATTENTION_LAYERS, LAYER_LAYERS = 12, 96, 12
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 
@@ -66,6 +73,10 @@ class Chain:
     def refill(self, seed: int) -> None:
         raise NotImplementedError
 
+    def reference(self, variant: Variant) -> Variant:
+        """What ``variant``'s replay is checked against (run eagerly on the same inputs)."""
+        return self.default
+
 
 def _randn(generator: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=generator, device=DEVICE, dtype=DTYPE) * scale
@@ -80,6 +91,12 @@ UP, DOWN, TILE = GemvConfig(16, 256), GemvConfig(4, 256), GemvConfig(2, 1024)
 UP_TILES = [(32, 256, 8, 3), (16, 512, 8, 4), (8, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 3)]
 TILE_DOWN = [(2, 4), (2, 8), (4, 8), (1, 4)]  # (block_n, warps)
 NO_PDL: Options = (("router_pdl", False), ("pdl", False))
+# The PDL GEMV's (QKV, O) tiles beyond pdl_tiles' quarter of the depth before the wait: half of
+# it, and all of it (no loop after the wait; 8 warps hold it without spills, ptxas for sm_90)
+GEMV_PREFETCH = {
+    "half": (GemvTiles(16, 256, 4, 3, prefetch_k=1024), GemvTiles(8, 512, 4, 3, prefetch_k=2048)),
+    "whole": (GemvTiles(16, 256, 8, 3, prefetch_k=2048), GemvTiles(8, 512, 8, 3, prefetch_k=4096)),
+}
 
 
 def _moe_variants() -> list[Variant]:
@@ -188,4 +205,117 @@ class AttentionChain(Chain):
             tensor.copy_(_randn(generator, *tensor.shape))
 
 
-GROUPS = {"moe": MoeChain, "attention": AttentionChain}
+LAYER_PDL: Options = (("norm_pdl", True), ("rotary_pdl", True), ("write_pdl", True))
+# every launch knob of the layer chain: the plain twin of a variant sets each one False
+LAYER_KNOBS = ("norm_pdl", "rotary_pdl", "write_pdl", "attention_pdl", "router_pdl", "pdl")
+
+
+def _layer_variants() -> list[Variant]:
+    """Today's defaults (cuBLAS projections; PDL in the attention, router and experts); with PDL
+    in the norms, rotary and KV write; with the PDL GEMV for QKV and O; both; both with deeper
+    GEMV prefetches."""
+    gemv: Options = (("gemv_pdl", True),)
+    variants = [
+        Variant("defaults"),
+        Variant("+pdl norm/rotary/write", LAYER_PDL),
+        Variant("+pdl gemv", gemv),
+        Variant("+pdl all", LAYER_PDL + gemv),
+    ]
+    for name, (qkv, o) in GEMV_PREFETCH.items():
+        tiles: Options = (("qkv_tiles", qkv), ("o_tiles", o))
+        variants.append(Variant(f"+pdl all, gemv prefetch {name}", LAYER_PDL + gemv + tiles))
+    return variants
+
+
+class LayerChain(Chain):
+    """Whole batch-1 decoder layers, chained as the model runs them (each layer's output and
+    residual are the next one's input): rms_norm (+ residual), the QKV projection, the q/k norm
+    and rotary, the KV write, the decode attention over 513 positions, the O projection,
+    rms_norm (+ residual), the router, the experts. Every layer its own weights and KV."""
+
+    name = "layer"
+
+    def __init__(self, num_layers: int | None = None) -> None:
+        self.num_layers = num_layers or LAYER_LAYERS
+        generator = torch.Generator(DEVICE).manual_seed(2)
+        layers = range(self.num_layers)
+        q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+        self.qkv = [_randn(generator, q_size + 2 * kv_size, HIDDEN, scale=HIDDEN**-0.5)
+                    for _ in layers]  # fmt: skip
+        self.o = [_randn(generator, HIDDEN, q_size, scale=q_size**-0.5) for _ in layers]
+        self.norms = [[1 + _randn(generator, size, scale=0.1) for size in
+                       (HIDDEN, HIDDEN, HEAD_DIM, HEAD_DIM)] for _ in layers]  # fmt: skip
+        self.w13 = [_randn(generator, NUM_EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5)
+                    for _ in layers]  # fmt: skip
+        self.w2 = [_randn(generator, NUM_EXPERTS, HIDDEN, INTER, scale=INTER**-0.5) for _ in layers]
+        self.gate = [_randn(generator, NUM_EXPERTS, HIDDEN, scale=HIDDEN**-0.5) for _ in layers]
+        self.tickets = [new_router_ticket(DEVICE) for _ in layers]
+        shape = (2, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        self.kv = [_randn(generator, *shape) for _ in layers]
+        rotary = RotaryEmbedding(HEAD_DIM, MAX_MODEL_LEN, 1e6)
+        self.cos_sin = rotary.cos_sin_cache.to(DEVICE)
+        self.positions = torch.tensor([CONTEXT], dtype=torch.int64, device=DEVICE)
+        self.unit_scale = torch.ones((), dtype=torch.float32, device=DEVICE)
+        tables = torch.arange(MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32, device=DEVICE)
+        self.meta = AttentionMetadata(
+            slot_mapping=self.positions.clone(), block_tables=tables[None],
+            seq_lens=torch.tensor([CONTEXT + 1], dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            max_query_len=1, max_seq_len=MAX_MODEL_LEN,
+        )  # fmt: skip
+        self.x = _randn(generator, 1, HIDDEN)
+        self.residual = _randn(generator, 1, HIDDEN)
+        self.variants = _layer_variants()
+
+    def reference(self, variant: Variant) -> Variant:
+        """The same kernels with every launch plain (PDL off; the PDL GEMV launched plainly)."""
+        options = dict(variant.options)
+        options.update(dict.fromkeys(LAYER_KNOBS, False))
+        if "gemv_pdl" in options:
+            options["gemv_pdl"] = False
+        return Variant(f"{variant.name}, plain", tuple(options.items()))
+
+    def _project(self, variant: Variant, x: torch.Tensor, w: torch.Tensor, key: str):
+        options = variant.kwargs("gemv_pdl", key)
+        if "gemv_pdl" not in options:
+            return F.linear(x, w)  # cuBLAS, as the model runs today
+        return pdl_linear(x, w, None, options.get(key), pdl=options["gemv_pdl"])
+
+    def run(self, variant: Variant) -> list[torch.Tensor]:
+        option = variant.kwargs(*LAYER_KNOBS).get
+        q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+        hidden, residual, outputs = self.x, self.residual, []
+        for layer in range(self.num_layers):
+            in_norm, post_norm, q_norm, k_norm = self.norms[layer]
+            normed, residual = rms_norm(hidden, in_norm, 1e-6, residual, pdl=option("norm_pdl"))
+            qkv = self._project(variant, normed, self.qkv[layer], "qkv_tiles")
+            rotate_qk_(qkv, self.positions, self.cos_sin, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                       (q_norm, k_norm, 1e-6), pdl=option("rotary_pdl"))  # fmt: skip
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            kv_shape = (1, NUM_KV_HEADS, HEAD_DIM)
+            write_kv_cache(self.kv[layer], k.reshape(kv_shape), v.reshape(kv_shape),
+                           self.meta.slot_mapping, self.unit_scale, self.unit_scale,
+                           pdl=option("write_pdl"))  # fmt: skip
+            attended = paged_decode_attention(
+                q.reshape(1, NUM_HEADS, HEAD_DIM), self.kv[layer], self.meta, HEAD_DIM**-0.5,
+                self.unit_scale, self.unit_scale, pdl=option("attention_pdl"),
+            )  # fmt: skip
+            o = self._project(variant, attended.reshape(1, q_size), self.o[layer], "o_tiles")
+            normed, residual = rms_norm(o, post_norm, 1e-6, residual, pdl=option("norm_pdl"))
+            assert residual is not None
+            weights, ids, _ = router_topk(
+                normed, self.gate[layer], TOP_K, True, self.tickets[layer],
+                pdl=option("router_pdl"),
+            )  # fmt: skip
+            hidden = fused_experts_direct(normed, self.w13[layer], self.w2[layer], weights, ids,
+                                          pdl=option("pdl"))  # fmt: skip
+            outputs += [ids, hidden]
+        return [*outputs, residual]
+
+    def refill(self, seed: int) -> None:
+        generator = torch.Generator(DEVICE).manual_seed(seed)
+        for tensor in (self.x, self.residual):
+            tensor.copy_(_randn(generator, *tensor.shape))
+
+
+GROUPS = {"moe": MoeChain, "attention": AttentionChain, "layer": LayerChain}

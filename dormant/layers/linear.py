@@ -14,7 +14,9 @@ copies this rank's part in place.
 A layer opted in with ``enable_skinny_gemv`` runs its local matmul with the Triton skinny GEMV
 (``triton_gemv.py``) for decode sizes on the GPU (``is_skinny``): same rounding points, another
 summation order than cuBLAS; the Qwen3-MoE model opts its attention projections in, no other
-model does.
+model does. A layer opted in with ``enable_pdl_gemv`` runs one token with ``pdl_linear`` (its
+weights prefetched under programmatic dependent launch) while ``triton_gemv.USE_PDL_AT_BATCH_1``
+is set (read at each call: off by default); Qwen3-MoE opts its attention projections in.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dormant.layers.weight_utils import (
 )
 
 if IS_TRITON_AVAILABLE:
-    from dormant.layers.triton_gemv import is_skinny, skinny_linear
+    from dormant.layers.triton_gemv import can_pdl_gemv, is_skinny, pdl_linear, skinny_linear
 
 
 class LinearBase(nn.Module):
@@ -70,14 +72,28 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     is_skinny_gemv = False  # opted in by enable_skinny_gemv
+    is_pdl_gemv = False  # opted in by enable_pdl_gemv
 
     def enable_skinny_gemv(self) -> None:
         """From now on, batches of up to ``SKINNY_MAX_TOKENS`` rows on the GPU run the Triton
         skinny GEMV (faster than cuBLAS's at decode sizes; not bit-identical to it)."""
         self.is_skinny_gemv = True
 
+    def enable_pdl_gemv(self) -> None:
+        """From now on, one token on a GPU with PDL runs ``pdl_linear`` while
+        ``triton_gemv.USE_PDL_AT_BATCH_1`` is set (not bit-identical to cuBLAS)."""
+        self.is_pdl_gemv = True
+
     def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """This rank's ``x @ weight.T (+ bias)``."""
+        if (
+            self.is_pdl_gemv  # first: the models that did not opt in pay one attribute read
+            and use_triton(x)
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and can_pdl_gemv(x)
+        ):
+            return pdl_linear(x, self.weight, bias)
         if (
             self.is_skinny_gemv  # first: the models that did not opt in pay one attribute read
             and use_triton(x)

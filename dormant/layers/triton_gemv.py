@@ -14,6 +14,14 @@ one ``[tokens, block_n, block_k]`` accumulator summed at the end. Tiles (``gemv_
 in flight. The sums run in another order than cuBLAS's, so the output can differ from
 ``F.linear``'s by a unit in the last place: layers opt in (``LinearBase.enable_skinny_gemv``),
 and the dense models do not.
+
+At batch 1 the weight read can start before the kernel before it ends: ``pdl_linear`` launches
+with programmatic dependent launch (``triton_pdl.py``). Each program loads its first
+``[block_n, prefetch_k]`` of the weights, waits for ``x``'s kernel, then reads ``x`` from L2 and
+streams the rest; the tiles (``pdl_tiles``) keep every program resident in one wave on 132 SMs,
+so all the prefetches are in flight at once. An opted-in layer (``LinearBase.enable_pdl_gemv``)
+takes it at one token when ``USE_PDL_AT_BATCH_1`` is set (read at each call; off by default
+until ``benchmarks/moe_b1_sweep.py --only layer`` measures it against cuBLAS).
 """
 
 from __future__ import annotations
@@ -23,10 +31,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dormant.layers.triton_pdl import is_pdl_available
 
 SKINNY_MAX_TOKENS = 4  # the direct MoE path's batch sizes at top-8
 _TARGET_PROGRAMS = 512
 _ACCUMULATOR = 4096  # float32 elements per program: 32 registers a thread at 4 warps
+# Opted-in layers run ``pdl_linear`` at one token on the GPU. Unmeasured: off.
+USE_PDL_AT_BATCH_1 = False
+_PDL_PROGRAMS = 256  # about 2 per SM on the H200: every program resident at once
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,7 @@ class GemvTiles:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    prefetch_k: int = 0  # pdl_linear only: the depth each program loads before its wait
 
 
 def is_skinny(num_tokens: int) -> bool:
@@ -51,6 +66,23 @@ def gemv_tiles(num_tokens: int, n: int, k: int) -> GemvTiles:
     tokens_pad = triton.next_power_of_2(num_tokens)
     block_k = _ACCUMULATOR // (tokens_pad * block_n)
     return GemvTiles(block_n, max(16, min(512, block_k, triton.next_power_of_2(k))))
+
+
+def pdl_tiles(n: int, k: int) -> GemvTiles:
+    """About ``_PDL_PROGRAMS`` programs (QKV 5120: 16 rows each, 320 programs; O 2048: 8, 256),
+    a quarter of the depth prefetched (QKV 512 of 2048: 16 KB a program, about 40 KB an SM;
+    O 1024 of 4096), the rest in steps that keep the accumulator at ``_ACCUMULATOR``."""
+    rows = triton.cdiv(n, _PDL_PROGRAMS)
+    block_n = min(16, 1 << (rows.bit_length() - 1))
+    depth = triton.next_power_of_2(k)
+    block_k = max(16, min(512, _ACCUMULATOR // block_n, depth))
+    return GemvTiles(block_n, block_k, prefetch_k=max(16, depth // 4))
+
+
+def can_pdl_gemv(x: torch.Tensor) -> bool:
+    """Whether an opted-in layer runs ``pdl_linear`` on ``x``: one token, on a device with PDL,
+    ``USE_PDL_AT_BATCH_1`` set."""
+    return x.shape[0] == 1 and USE_PDL_AT_BATCH_1 and is_pdl_available(x.device)
 
 
 @triton.jit
@@ -109,6 +141,79 @@ def _skinny_gemv_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _pdl_gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < N
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    kp = tl.arange(0, PREFETCH_K)
+    is_kp = kp < K
+    w_first = tl.load(w_rows + kp[None, :], mask=is_col[:, None] & is_kp[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=is_col, other=0.0).to(tl.float32)
+    if USE_PDL:  # x is the previous kernel's; then the next kernel may launch (triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
+    x_first = tl.load(x_ptr + kp, mask=is_kp, other=0.0, cache_modifier=".cg").to(tl.float32)
+    y = tl.sum(w_first.to(tl.float32) * x_first[None, :], axis=1)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for first in range(PREFETCH_K, K, BLOCK_K):  # the rest of the depth, as _one_token
+        is_k = ks < K - first
+        x = tl.load(x_ptr + first + ks, mask=is_k, other=0.0, cache_modifier=".cg")
+        w = tl.load(w_rows + first + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y += tl.sum(acc, axis=1)
+    if HAS_BIAS:  # added before the one rounding, as cuBLAS's bias epilogue does
+        y += bias
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=is_col)
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    depth, n = x.shape[1], weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != depth or weight.dtype != x.dtype:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} "
+            f"{x.dtype}: it must be [out, {depth}] in {x.dtype}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{n}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("the GEMV needs unit stride in the last dimension of x and weight")
+
+
+def pdl_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+    *,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one token, ``x [1, K]``, with the weights prefetched
+    before the wait on ``x``'s kernel: ``skinny_linear``'s operands and rounding (its sums in
+    another order: within a unit in the last place of ``F.linear``). ``pdl`` False launches the
+    same kernel plainly (the same bits); None or True: with PDL where the device has it.
+    ``tiles`` overrides ``pdl_tiles``, for tuning. No host sync."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"pdl_linear takes one token, x [1, K]; got {tuple(x.shape)}")
+    _check_operands(x, weight, bias)
+    n, depth = weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    tiles = tiles or pdl_tiles(n, depth)
+    is_pdl = (pdl is None or pdl) and is_pdl_available(x.device)
+    _pdl_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x, weight, weight if bias is None else bias, y, n, depth, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        PREFETCH_K=tiles.prefetch_k, USE_PDL=is_pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, launch_pdl=is_pdl,
+    )  # fmt: skip
+    return y
+
+
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -120,15 +225,7 @@ def skinny_linear(
     ``tiles`` overrides ``gemv_tiles``, for tuning. No host sync."""
     num_tokens, depth = x.shape
     n = weight.shape[0]
-    if weight.dim() != 2 or weight.shape[1] != depth or weight.dtype != x.dtype:
-        raise ValueError(
-            f"weight {tuple(weight.shape)} {weight.dtype} does not fit x {tuple(x.shape)} "
-            f"{x.dtype}: it must be [out, {depth}] in {x.dtype}"
-        )
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{n}] in {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("skinny_linear needs unit stride in the last dimension of x and weight")
+    _check_operands(x, weight, bias)
     y = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y

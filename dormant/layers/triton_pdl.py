@@ -8,8 +8,11 @@ previous kernel ends; each may read what the previous kernel does not write (wei
 waits in ``gdc_wait`` until that kernel has finished, its writes visible.
 
 The rules a PDL kernel keeps (the hardware checks none of them):
-- before ``gdc_wait`` it reads only what no kernel of the step writes (weights), or what the
-  kernel before the previous one wrote, where the previous one triggers only after its wait;
+- before ``gdc_wait`` it reads only what no kernel of the step writes (weights), or what a
+  kernel before the previous one wrote, where the previous one triggers only after its wait
+  (or launches plainly): that kernel had finished before ours could start (a step input such
+  as the positions or the slot mapping, written before the layers run, is read so by the
+  rotary kernel and the KV write);
 - it writes nothing before ``gdc_wait`` (the previous kernel may still read it);
 - it calls ``gdc_launch_dependents`` only after its own ``gdc_wait``, so the next kernel's
   pre-wait reads see everything ours waited for: the chain stays transitive;

@@ -15,11 +15,14 @@ Routing on the GPU: up to ``FUSED_ROUTER_MAX_TOKENS`` tokens (decode), one kerne
 router's logits, softmax and top-k (``layers/triton_router.py``), with a ticket that is the
 layer's one persistent routing state (``router_ticket``, a buffer: ``runtime``, zero between
 launches, set by ``init_buffers``); more tokens, and the CPU, run the router's GEMM, then the
-top-k (``FusedMoE.forward``). The attention projections take the skinny GEMV at the same sizes
+top-k (``FusedMoE.forward``). The attention projections keep cuBLAS; at one token they take the
+PDL GEMV (``triton_gemv.pdl_linear``) while ``triton_gemv.USE_PDL_AT_BATCH_1`` is set
 (``Qwen3MoeForCausalLM``).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +32,7 @@ from dormant.layers.linear import ReplicatedLinear
 from dormant.layers.moe import FusedMoE
 from dormant.models.base import CausalLM
 from dormant.models.config import ModelConfig
-from dormant.models.decoder import DecoderSpec
+from dormant.models.decoder import DecoderLayer, DecoderSpec
 
 if IS_TRITON_AVAILABLE:
     from dormant.layers.triton_router import is_router_fused, router_topk
@@ -81,7 +84,16 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     Its attention projections keep cuBLAS: the skinny GEMV (``layers/triton_gemv.py``, opted in
     per layer with ``enable_skinny_gemv``) measured slower at batch 1 on the H200 (9.8 us per
-    projection against cuBLAS's 7.8 us QKV and 6.9 + 1.7 us O; 2026-12-02c run 5)."""
+    projection against cuBLAS's 7.8 us QKV and 6.9 + 1.7 us O; 2026-12-02c run 5). They are
+    opted in to the PDL GEMV (``enable_pdl_gemv``), which runs only while
+    ``triton_gemv.USE_PDL_AT_BATCH_1`` is set (off: unmeasured)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            attention = cast(DecoderLayer, layer).self_attn
+            attention.qkv_proj.enable_pdl_gemv()
+            attention.o_proj.enable_pdl_gemv()
 
     @classmethod
     def decoder_spec(cls, config: ModelConfig) -> DecoderSpec:

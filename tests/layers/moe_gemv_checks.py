@@ -7,6 +7,9 @@ through Triton's interpreter (tests/layers/test_triton_gemv.py).
   ``F.linear``'s bit for bit whatever the order of the sums;
 - random: within the sums' order of ``F.linear`` (float32) or one unit in the last place of the
   output dtype (fp16, bf16).
+
+The batch-1 PDL GEMV (``pdl_linear``) takes the same checks at one token, with its prefetch
+shorter than, equal to and past the depth; and with PDL or without, the same bits.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dormant.layers.triton_gemv import GemvTiles, skinny_linear
+from dormant.layers.triton_gemv import GemvTiles, pdl_linear, skinny_linear
 
 # (tokens, out, in): one to four tokens (and six: any M works), odd sizes, a partial row block
 GEMV_SHAPES = [(1, 40, 64), (2, 33, 100), (3, 80, 48), (4, 24, 200), (6, 17, 40)]
 ODD_TILES = GemvTiles(block_n=4, block_k=16, num_warps=2, num_stages=2)
+PDL_GEMV_SHAPES = [(1, 40, 64), (1, 33, 100), (1, 24, 200)]
+# a prefetch of a part of the depth, then a loop; the whole depth at once (no loop)
+PDL_TILES = [GemvTiles(4, 16, 2, 2, prefetch_k=32), GemvTiles(8, 32, 2, 2, prefetch_k=256)]
 
 
 def _inputs(shape, dtype: torch.dtype, device: str, is_exact: bool, seed: int = 0):
@@ -69,3 +75,37 @@ def check_bad_inputs_raise(device: str) -> None:
         skinny_linear(x, w, bias[:4])
     with pytest.raises(ValueError, match="unit stride"):
         skinny_linear(x.t().contiguous().t(), w)
+
+
+def check_pdl_gemv(shape, dtype: torch.dtype, device: str) -> None:
+    """``pdl_linear`` on exact inputs: ``F.linear``'s bits, at every tile, with PDL or not; on
+    random ones within ``check_random``'s bound, and the same bits with PDL as without."""
+    x, w, bias = _inputs(shape, dtype, device, is_exact=True)
+    for b in (None, bias):
+        reference = F.linear(x, w, b)
+        for tiles in (None, *PDL_TILES):
+            for pdl in (False, True):
+                ours = pdl_linear(x, w, b, tiles, pdl=pdl)
+                assert ours.dtype == x.dtype and ours.shape == reference.shape
+                assert torch.equal(ours, reference), (tiles, pdl)
+    x, w, bias = _inputs(shape, dtype, device, is_exact=False)
+    for b in (None, bias):
+        reference = F.linear(x.float(), w.float(), None if b is None else b.float())
+        for tiles in (None, *PDL_TILES):
+            ours = pdl_linear(x, w, b, tiles, pdl=True)
+            assert torch.equal(ours, pdl_linear(x, w, b, tiles, pdl=False)), tiles
+            scale = float(reference.abs().max())
+            relative = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
+            torch.testing.assert_close(ours.float(), reference, rtol=0, atol=relative * scale)
+
+
+def check_pdl_gemv_bad_inputs_raise(device: str) -> None:
+    import pytest
+
+    x, w, bias = _inputs((1, 8, 16), torch.float32, device, is_exact=False)
+    with pytest.raises(ValueError, match="one token"):
+        pdl_linear(torch.cat([x, x]), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        pdl_linear(x, w[:, :8])
+    with pytest.raises(ValueError, match="bias"):
+        pdl_linear(x, w, bias[:4])
