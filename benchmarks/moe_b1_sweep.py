@@ -3,7 +3,7 @@ defaults bring the step within 2x its roofline. One call on the H200, about 3 mi
 
 Qwen3-30B-A3B's shapes (hidden 2048, 128 experts, top-8, moe_intermediate 768; 32 q / 4 kv
 heads, head_dim 128), batch 1, context 512 in graphs planned for ``benchmarks/moe.py``'s
-max_model_len of 1024 (``benchmarks/moe_b1_chains.py``). Two chains, each as the model runs
+max_model_len of 1024 (``benchmarks/moe_b1_chains.py``). Three chains, each as the model runs
 it, with the kernel before included (programmatic dependent launch, ``triton_pdl.py``, only
 pays against the kernel before it):
 
@@ -11,16 +11,20 @@ pays against the kernel before it):
 |-----------|---------------------------------------------------|------------------------------|
 | moe       | rms_norm (+ residual), router_topk, the experts   | 12 (~76 MB: L2 holds none)   |
 | attention | write_kv_cache, paged_decode_attention            | 96 (1 MB of KV: 96 MB)       |
+| layer     | the whole decoder layer: rms_norm, QKV, rotary,   | 12 (~115 MB)                 |
+|           | KV write, attention, O, rms_norm, router, experts |                              |
 
 Each variant: captured in one CUDA graph over the group's layers, replayed 3 times to warm
 up, then 20 timed replays (CUDA events): the median per layer. Then fresh random inputs are
 written into the graph's inputs, it replays once, and its outputs are compared with the
-current default run eagerly on the same inputs: routing ids identical, outputs within the
-bf16 tolerance of another sum order (``bit_exact`` says whether they are the same bits, which
-every variant that changes only the launch must be). A variant that raises is a row with its
+current default run eagerly on the same inputs (the layer group: with the variant's own kernels
+launched plainly, ``Chain.reference``): routing ids identical, outputs within the bf16
+tolerance of another sum order (``bit_exact`` says whether they are the same bits, which every
+variant that changes only the launch must be). A variant that raises is a row with its
 error; the PDL variants run last, so a fault there cannot hide the others.
 
-Usage: python benchmarks/moe_b1_sweep.py [--out results.jsonl] [--only router,experts,attention]
+Usage: python benchmarks/moe_b1_sweep.py [--out results.jsonl] [--only moe,attention,layer]
+[--budget-s 200]
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def run_variant(rec: Recorder, chain: Chain, variant: Variant, baseline_s: float
         chain.refill(seed=1234)
         graph.replay()
         torch.cuda.synchronize()
-        checked = compare(outputs, chain.run(chain.default))
+        checked = compare(outputs, chain.run(chain.reference(variant)))
         del graph, outputs
     except Exception as error:  # a variant that does not compile or launch: its row says why
         traceback.print_exc()

@@ -1,7 +1,7 @@
 """``benchmarks/moe_b1_sweep.py``'s chains on the CPU, through Triton's interpreter, at small
 shapes in float32: every variant the GPU sweep times launches (its options are the kernels'
-real keywords) and its outputs pass the sweep's own check against the default, and a wrong
-output fails that check. The timing and the graphs are the GPU's (not run here)."""
+real keywords) and its outputs pass the sweep's own check against its reference (the default;
+in the layer group, its own kernels launched plainly), and a wrong output fails that check. The timing and the graphs are the GPU's (not run here)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,15 @@ chains.DEVICE, chains.DTYPE = torch.device("cpu"), torch.float32
 chains.HIDDEN, chains.NUM_EXPERTS, chains.TOP_K, chains.INTER = 64, 8, 2, 48
 chains.NUM_HEADS, chains.NUM_KV_HEADS, chains.HEAD_DIM = 4, 2, 16
 chains.CONTEXT, chains.MAX_MODEL_LEN, chains.MOE_LAYERS, chains.ATTENTION_LAYERS = 40, 128, 1, 1
-for group in ("moe", "attention"):
+chains.LAYER_LAYERS = 2  # chained: the second layer's input is the first one's output
+for group in ("moe", "attention", "layer"):
     chain = chains.GROUPS[group]()
     expected = chain.run(chain.default)
     assert len({v.name for v in chain.variants}) == len(chain.variants), "names repeat"
     for variant in chain.variants:
-        checked = compare(chain.run(variant), expected)
+        reference = chain.reference(variant)
+        reference_out = expected if reference == chain.default else chain.run(reference)
+        checked = compare(chain.run(variant), reference_out)
         assert checked["is_ok"], (variant.name, checked)
     wrong = [t + 1 if t.is_floating_point() else t for t in expected]
     assert not compare(wrong, expected)["is_ok"]
@@ -37,4 +40,4 @@ def test_every_sweep_variant_runs_and_checks_in_the_interpreter() -> None:
     pytest.importorskip("triton")
     result = run_interpreted(SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("ok") == 2, result.stdout
+    assert result.stdout.count("ok") == 3, result.stdout
