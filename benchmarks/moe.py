@@ -20,6 +20,9 @@
 - the step before the batch-1 launch choices of the tenth session: decode at batch 1 and 64
   with the loop down kernel and plain launches (no programmatic dependent launch) in the
   experts, the router and the decode attention, in a child process of the same run;
+- the step with every batch-1 launch knob of the eleventh session on (off by default until
+  measured): PDL in the norms, the rotary kernel and the KV write, and the PDL GEMV for the
+  attention projections, decode at batch 1 and 64, in a child process of the same run;
 - the step before the fused router and the skinny GEMV: decode at batch 1 and 64 with the
   router's GEMM and ``topk_softmax``, and cuBLAS's attention projections, at every size, in a
   child process of the same run;
@@ -27,8 +30,8 @@
   graphs) at batch 1 and 64, in a child process of the same run.
 
 Usage: python benchmarks/moe.py [--out results.jsonl] [--layers 48] [--skip-peer]
-[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-kernels] (about 6-7 minutes on an H200 at 48
-layers; ``--layers 8`` for a quick look).
+[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-all-pdl] [--skip-kernels] (about 7-8
+minutes on an H200 at 48 layers; ``--layers 8`` for a quick look).
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ def run_child(args: argparse.Namespace, moe_path: str) -> None:
     """Decode alone in a child process: the torch reference path (``moe_path`` "peer";
     DORMANT_TRITON is read at import), or the Triton kernels with the sorted MoE path only
     ("sorted"), without the fused router and the skinny GEMV ("unfused"), or with the loop
-    down kernel and plain launches ("plain")."""
+    down kernel and plain launches ("plain"), or with every batch-1 PDL knob on ("all-pdl")."""
     command = [sys.executable, __file__, "--decode-only", "--layers", str(args.layers),
                "--context", str(args.context)]  # fmt: skip
     if args.out:
@@ -220,6 +223,15 @@ def plain_launches() -> None:
     triton_attention.USE_PDL_AT_BATCH_1 = False
 
 
+def all_pdl() -> None:
+    """Every batch-1 launch knob on: PDL in the norms, the rotary kernel and the KV write, and
+    the PDL GEMV for the attention projections (on top of today's defaults)."""
+    from dormant.layers import triton_gemv, triton_kv_cache, triton_norm, triton_rotary
+
+    for module in (triton_gemv, triton_kv_cache, triton_norm, triton_rotary):
+        module.USE_PDL_AT_BATCH_1 = True
+
+
 def unfused() -> None:
     """Every sparse layer routes by the router's GEMM and ``topk_softmax`` (as before
     ``layers/triton_router.py``), and the attention projections run cuBLAS (as before
@@ -244,8 +256,10 @@ def main() -> None:
                         help="no step with the old router and cuBLAS attention")  # fmt: skip
     parser.add_argument("--skip-plain", action="store_true",
                         help="no step with the loop down kernel and plain launches")  # fmt: skip
+    parser.add_argument("--skip-all-pdl", action="store_true",
+                        help="no step with every batch-1 PDL knob on")  # fmt: skip
     parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused", "plain"),
+    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused", "plain", "all-pdl"),
                         default="auto", help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     rec = Recorder(args.out)
@@ -259,6 +273,9 @@ def main() -> None:
     if IS_TRITON_ENABLED and args.moe_path == "plain":
         plain_launches()
         system = "triton, loop down kernel, plain launches (old)"
+    if IS_TRITON_ENABLED and args.moe_path == "all-pdl":
+        all_pdl()
+        system = "triton, PDL norms/rotary/KV write + PDL GEMV (knobs on)"
     bandwidth = device_copy_bandwidth()
     if args.decode_only:
         llm = build(args.layers, multi_steps=1)
@@ -288,6 +305,8 @@ def main() -> None:
     del llm, worker
     torch.cuda.empty_cache()
     print(table(rows, COLUMNS))
+    if IS_TRITON_ENABLED and not args.skip_all_pdl:
+        run_child(args, "all-pdl")
     if IS_TRITON_ENABLED and not args.skip_plain:
         run_child(args, "plain")
     if IS_TRITON_ENABLED and not args.skip_unfused:

@@ -87,3 +87,15 @@ def test_the_pdl_gemv_is_off_by_default() -> None:
 
     knobs = (triton_gemv, triton_kv_cache, triton_norm, triton_rotary)
     assert not any(module.USE_PDL_AT_BATCH_1 for module in knobs)
+
+
+def test_moe_benchmarks_all_pdl_child_turns_every_knob_on(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    from benchmarks import moe
+    from dormant.layers import triton_gemv, triton_kv_cache, triton_norm, triton_rotary
+
+    knobs = (triton_gemv, triton_kv_cache, triton_norm, triton_rotary)
+    for module in knobs:  # restored when the test ends
+        monkeypatch.setattr(module, "USE_PDL_AT_BATCH_1", False)
+    moe.all_pdl()
+    assert all(module.USE_PDL_AT_BATCH_1 for module in knobs)
