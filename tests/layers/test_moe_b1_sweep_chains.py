@@ -1,7 +1,8 @@
 """``benchmarks/moe_b1_sweep.py``'s chains on the CPU, through Triton's interpreter, at small
 shapes in float32: every variant the GPU sweep times launches (its options are the kernels'
 real keywords) and its outputs pass the sweep's own check against its reference (the default;
-in the layer group, its own kernels launched plainly), and a wrong output fails that check. The timing and the graphs are the GPU's (not run here)."""
+in the layer group, its own kernels launched plainly), and a wrong output fails that check.
+The timing and the graphs are the GPU's (not run here)."""
 
 from __future__ import annotations
 
