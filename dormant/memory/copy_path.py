@@ -35,9 +35,14 @@ Why these defaults (measured on the H200, results/2026-12-02e-run3-wake-copy-pat
   1.46 x (both repeats), against 1.08 x by SM. The same case with the copy engines forced ran
   at 1.00 x; what differed was the case before it (its wake had gone by SM). Not understood;
   0.5 s covers it. At 0.25 s after a sleep that copied nothing the copy engines were at 1.10 x.
-- ``min_release_bytes`` 32 GiB: a weights-only sleep that released 16 GiB left the next wake at
-  1.09 x by the copy engines, against 1.08 x by SM: no gain to take. The KV releases of 56-75 GB
-  cost 35-50 %. The threshold sits between the two.
+- ``min_release_bytes`` 48 GiB: the reclaim ran at about 240 GB/s (60 GiB in 0.25 s), so what
+  it costs a wake grows with the bytes released. A weights-only sleep that released 16 GiB left
+  the next wake at 1.09 x by the copy engines against 1.08 x by SM: nothing to gain. Releases of
+  56-83 GB (the 8B-like engine's level-1 sleep, the probe's KV) cost 35-50 %. In between nothing
+  was measured; 48 GiB keeps an 8B-like sleep of 32 GiB of KV plus 8 GiB of weights
+  (``benchmarks/sleep_wake.py``'s shape, reclaimed in ~0.18 s, before its wake 0.25 s later) on
+  the copy engines. A model of the reclaim's backlog (bytes released less 240 GB/s times the
+  time since) would decide this from the bytes and the time together; not built.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ class CopyPathPolicy:
 
     mode: CopyMode = CopyMode.AUTO
     window_s: float = 0.5
-    min_release_bytes: int = 32 * GiB
+    min_release_bytes: int = 48 * GiB
     busy_path: CopyPath = CopyPath.SM
     sm_fraction: float = 0.5  # HYBRID: the share of each copy's bytes the SM kernels take
 

@@ -93,8 +93,11 @@ def test_auto_keeps_the_copy_engines_after_small_or_old_releases(clock: Clock) -
 
 def test_auto_adds_up_the_releases_inside_the_window(clock: Clock) -> None:
     """A sleep releases allocation by allocation: the sum is what the driver reclaims."""
-    history = history_with(clock, *[(0.01 * i, 5 * GiB) for i in range(8)])
-    assert CopyPathPolicy().choose(history) == (CopyPath.SM, 40 * GiB)
+    history = history_with(clock, *[(0.01 * i, 5 * GiB) for i in range(10)])
+    assert CopyPathPolicy().choose(history) == (CopyPath.SM, 50 * GiB)
+    assert (
+        CopyPathPolicy().choose(history_with(clock, (0.0, 40 * GiB))).path is CopyPath.COPY_ENGINE
+    )
     tuned = CopyPathPolicy(window_s=0.035, min_release_bytes=8 * GiB, busy_path=CopyPath.HYBRID)
     assert tuned.choose(history) == (CopyPath.HYBRID, 20 * GiB)  # the releases 0-0.03 s ago
 
