@@ -48,12 +48,8 @@ def open_shared_cuda(*args: Any) -> torch.UntypedStorage:
 
 
 def wait_on_ipc_event(device: int, event_handle: bytes) -> None:
-    """Orders this rank's current stream after the sender's writes before the share. When the
-    event has completed already (a sender that synchronized before sending, as verl's and
-    slime's do), nothing is enqueued: the copy need not wait on another process's event."""
-    event = torch.cuda.Event.from_ipc_handle(device, event_handle)
-    if not event.query():
-        event.wait(torch.cuda.current_stream(device))
+    stream = torch.cuda.current_stream(device)
+    torch.cuda.Event.from_ipc_handle(device, event_handle).wait(stream)
 
 
 class _Held:
