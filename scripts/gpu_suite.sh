@@ -64,12 +64,15 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # the MoE kernel tests with the PDL and tile paths (run 3 of the ninth session stopped at 168
-  # of 302, none failed), then the batch-1 sweep again and the step with PDL + tile on
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_triton_moe.py \
-    2>&1 | tee "$OUT/pending-gpu-tests.log"
+  # the tenth session's changes that no GPU call ran: the SM-copy policy's 48 GiB threshold under
+  # sleep_wake.py (its 8B + 32 GiB KV wake should stay on the copy engines) and the layers' GPU
+  # tests the call's limits cut (prefill, sampling); then refit.py, not run since the eighth
+  python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/moe_b1_sweep.py --budget-s 200 --out "$OUT/moe-b1-sweep.jsonl" 2>&1 | tee "$OUT/moe-b1-sweep.log"
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/layers/test_triton_prefill.py \
+    tests/layers/test_triton_sampling.py tests/gpu/test_sm_copy_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
+  status=$((status | PIPESTATUS[0]))
+  python3 benchmarks/refit.py --bucket-mib 512 --repeats 3 --out "$OUT/refit.jsonl" 2>&1 | tee "$OUT/refit.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
