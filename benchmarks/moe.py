@@ -243,6 +243,15 @@ def unfused() -> None:
     linear.is_skinny = lambda num_tokens: False
 
 
+# The child runs' setups: --moe-path's name -> (the system its rows name, what it changes)
+MOE_PATHS = {
+    "sorted": ("triton, sorted MoE path (old)", sorted_only),
+    "unfused": ("triton, unfused router, cuBLAS attention (old)", unfused),
+    "plain": ("triton, loop down kernel, plain launches (old)", plain_launches),
+    "all-pdl": ("triton, PDL norms/rotary/KV write + PDL GEMV (knobs on)", all_pdl),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -264,18 +273,9 @@ def main() -> None:
     args = parser.parse_args()
     rec = Recorder(args.out)
     system = "triton" if IS_TRITON_ENABLED else "torch reference"
-    if IS_TRITON_ENABLED and args.moe_path == "sorted":
-        sorted_only()
-        system = "triton, sorted MoE path (old)"
-    if IS_TRITON_ENABLED and args.moe_path == "unfused":
-        unfused()
-        system = "triton, unfused router, cuBLAS attention (old)"
-    if IS_TRITON_ENABLED and args.moe_path == "plain":
-        plain_launches()
-        system = "triton, loop down kernel, plain launches (old)"
-    if IS_TRITON_ENABLED and args.moe_path == "all-pdl":
-        all_pdl()
-        system = "triton, PDL norms/rotary/KV write + PDL GEMV (knobs on)"
+    if IS_TRITON_ENABLED and args.moe_path in MOE_PATHS:
+        system, set_up = MOE_PATHS[args.moe_path]
+        set_up()
     bandwidth = device_copy_bandwidth()
     if args.decode_only:
         llm = build(args.layers, multi_steps=1)

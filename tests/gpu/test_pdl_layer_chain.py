@@ -26,6 +26,7 @@ from benchmarks.moe_b1_chains import (  # noqa: E402
     Variant,
     _layer_variants,
 )
+from benchmarks.moe_b1_sweep import capture  # noqa: E402
 from dormant.layers import triton_gemv  # noqa: E402
 from dormant.layers.triton_pdl import is_pdl_available  # noqa: E402
 from tests.layers import moe_gemv_checks as gemv_checks  # noqa: E402
@@ -39,22 +40,8 @@ def _needs_pdl() -> None:
         pytest.skip("PDL needs compute capability 9.0")
 
 
-def _captured(run):
-    """``run`` warmed up on a side stream, then captured: (the graph, its outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = run()
-    return graph, outputs
-
-
 def _check_replays_match(chain: Chain, variant: Variant, reference: Variant) -> None:
-    graph, outputs = _captured(lambda: chain.run(variant))
+    graph, outputs = capture(lambda: chain.run(variant))
     for seed in range(1, NUM_REPLAYS + 1):
         chain.refill(seed)
         graph.replay()

@@ -21,6 +21,7 @@ import torch
 from dormant.layers.moe_reference import select_experts
 
 triton = pytest.importorskip("triton")
+from benchmarks.moe_b1_sweep import capture  # noqa: E402
 from dormant.layers.triton_gemv import SKINNY_MAX_TOKENS, skinny_linear  # noqa: E402
 from dormant.layers.triton_moe import fused_experts  # noqa: E402
 from dormant.layers.triton_moe_routing import align_by_expert, topk_softmax  # noqa: E402
@@ -131,7 +132,7 @@ def test_the_routing_and_experts_replay_in_a_cuda_graph(shape) -> None:
         weights, ids = topk_softmax(static_logits, shape[2], True)
         return fused_experts(static_x, w13, w2, weights, ids)
 
-    graph, out = _captured(run)
+    graph, out = capture(run)
     for seed in (1, 2):
         new_x, _, _, new_logits = _inputs(shape, torch.bfloat16, seed=seed)
         static_x.copy_(new_x)
@@ -177,7 +178,7 @@ def test_the_fused_router_and_experts_replay_in_a_cuda_graph(num_tokens: int) ->
             outs += [ids, fused_experts(static_x, w13, w2, weights, ids)]
         return outs
 
-    graph, outs = _captured(run)
+    graph, outs = capture(run)
     generator = torch.Generator("cuda").manual_seed(1)
     for seed in range(1, 21):
         static_x.copy_(torch.randn(x.shape, device="cuda", generator=generator).bfloat16())
@@ -218,7 +219,7 @@ def test_the_pdl_chain_replays_the_bits_of_plain_launches(kernels: str) -> None:
                                                pdl=pdl)]  # fmt: skip
         return outs
 
-    graph, outs = _captured(lambda: run(True))
+    graph, outs = capture(lambda: run(True))
     generator = torch.Generator("cuda").manual_seed(1)
     for seed in range(1, 11):
         static_x.copy_(torch.randn(x.shape, device="cuda", generator=generator).bfloat16())
@@ -311,16 +312,3 @@ def test_an_opted_in_layer_runs_the_skinny_gemv_at_decode_sizes_only() -> None:
         expected = skinny_linear(x, layer.weight, layer.bias) if is_skinny else cublas
         assert torch.equal(layer(x), expected), num_tokens
         layer.is_skinny_gemv = False
-
-
-def _captured(run):
-    """``run`` warmed up on a side stream, then captured: (the graph, its outputs)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    return graph, out
