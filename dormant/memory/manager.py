@@ -27,8 +27,8 @@ from dormant.memory.copy_path import CopyMode, CopyPathPolicy
 from dormant.memory.frontends import Frontends
 from dormant.memory.guard import PointerGuard, TensorSource
 from dormant.memory.offload import DiscardOrder
+from dormant.memory.parsed_setting import ParsedSetting
 from dormant.memory.policy import BUILTIN_TAGS, CUDA_GRAPH, Policy, sleep_request
-from dormant.memory.release_history import ReleaseHistory
 from dormant.memory.residual import ResidualLedger
 from dormant.memory.serial import SerialSection
 from dormant.memory.slab_rules import SlabRule, tag_slab_rules
@@ -60,10 +60,13 @@ class MemoryManager:
             see slab_rules.py).
         host_capacity: capacity of the host backend in bytes (tests use it to provoke OOM).
         arena_chunk_bytes: the size the host arena grows by (a region larger than it gets its own).
-        copy_policy: how a wake copies its HOST bytes back (copy_path.py): a ``CopyPathPolicy``,
-            or a mode ("auto", "copy_engine", "sm", "hybrid"); None: ``$DORMANT_WAKE_COPY_PATH``,
-            else "auto". Settable later, as ``mm.copy_policy``.
+        copy_policy: how a wake copies HOST bytes back (copy_path.py): a ``CopyPathPolicy`` or a
+            mode; None: ``$DORMANT_WAKE_COPY_PATH``, else "auto". Settable, as ``mm.copy_policy``.
     """
+
+    # Assigning parses: an unknown value raises its typed error and the old value stays.
+    discard_order: ParsedSetting[DiscardOrder] = ParsedSetting(DiscardOrder.parse)
+    copy_policy: ParsedSetting[CopyPathPolicy] = ParsedSetting(CopyPathPolicy.parse)
 
     def __init__(
         self,
@@ -81,15 +84,15 @@ class MemoryManager:
         arena_chunk_bytes: int = 1 << 30,
         copy_policy: CopyPathPolicy | CopyMode | str | None = None,
     ) -> None:
-        self.copy_policy = copy_policy  # parsed by the setter, before anything is made
+        self.copy_policy, self.discard_order = copy_policy, discard_order  # parsed, first
         self.backend = open_backend(device, host_capacity=host_capacity)
         device_slots.claim(self.backend.device_key)
         self.poison, self.strict = poison, strict
         self.keep_arena, self.skip_unchanged = keep_arena, skip_unchanged
-        self.discard_order = discard_order  # parsed by the setter
         self.arena = HostArena(self.backend, chunk_bytes=arena_chunk_bytes)
         rules = tag_slab_rules(slab_rules)
         self._table = BlockTable(self.backend, self.arena, slab_bytes, max_slab_bytes, rules)
+        self.release_history = self._table.releases  # every release (what copy_policy reads)
         for tag in BUILTIN_TAGS:
             self._table.add_tag(tag)
         self._guard = PointerGuard()
@@ -102,29 +105,6 @@ class MemoryManager:
         self._tag_pools = TagPools(self.raw_alloc, self.raw_free, self.backend, self._check_tags)
         self._sleep_wake = SleepWake(self._table, self._front, self._guard, self.context)
         self._finalizer = weakref.finalize(self, device_slots.give_back, self.backend.device_key)
-
-    @property
-    def discard_order(self) -> DiscardOrder:
-        return self._discard_order
-
-    @discard_order.setter
-    def discard_order(self, order: DiscardOrder | str) -> None:
-        """Raises UnknownDiscardOrderError (and keeps the order) for an unknown one."""
-        self._discard_order = DiscardOrder.parse(order)
-
-    @property
-    def copy_policy(self) -> CopyPathPolicy:
-        return self._copy_policy
-
-    @copy_policy.setter
-    def copy_policy(self, policy: CopyPathPolicy | CopyMode | str | None) -> None:
-        """Raises CopyPolicyError (and keeps the policy) for an unknown mode."""
-        self._copy_policy = CopyPathPolicy.parse(policy)
-
-    @property
-    def release_history(self) -> ReleaseHistory:
-        """Every release of physical memory this manager made (what ``copy_policy`` reads)."""
-        return self._table.releases
 
     # ── tags ──────────────────────────────────────────────────────────────────────────────────
     @property
@@ -252,7 +232,7 @@ class MemoryManager:
             request,
             strict=self.strict,
             skip_unchanged=self.skip_unchanged,
-            discard_order=self._discard_order,
+            discard_order=self.discard_order,
         )
 
     def wake_up(self, tags: str | Iterable[str] | None = None) -> WakeReport:
@@ -265,7 +245,7 @@ class MemoryManager:
         ``WakeReport.copy_path`` how the copies ran (``copy_policy`` chose it).
         """
         return self._sleep_wake.wake(
-            tags, poison=self.poison, keep_arena=self.keep_arena, copy_policy=self._copy_policy
+            tags, poison=self.poison, keep_arena=self.keep_arena, copy_policy=self.copy_policy
         )
 
     def prepare_arena(

@@ -242,34 +242,29 @@ def policy() -> CopyPathPolicy:
     return CopyPathPolicy(min_release_bytes=8 * MiB)
 
 
-def test_a_wake_right_after_a_large_release_copies_by_sm_and_says_so(
-    monkeypatch: pytest.MonkeyPatch, clock: Clock, policy: CopyPathPolicy
+@pytest.mark.parametrize(
+    ("after_s", "path"), [(0.1, CopyPath.SM), (0.51, CopyPath.COPY_ENGINE)]
+)  # inside the default 0.5 s window, and past it
+def test_a_wake_after_a_large_release_copies_by_the_path_it_calls_for(
+    monkeypatch: pytest.MonkeyPatch,
+    clock: Clock,
+    policy: CopyPathPolicy,
+    after_s: float,
+    path: CopyPath,
 ) -> None:
     ran = count_sm_copies(monkeypatch)
     mm = MemoryManager("host", copy_policy=policy)
     weights, expected = sleep_with_large_release(mm, clock)
-    clock.now += 0.1
+    clock.now += after_s
     report = mm.wake_up(["weights"])
-    assert report.copy_path is CopyPath.SM
-    assert report.bytes_sm == report.bytes_copied > 0 and report.bytes_copy_engine == 0
-    assert report.recent_release_bytes >= 8 * MiB and sum(ran) == report.bytes_copied
+    assert report.copy_path is path and report.bytes_copied > 0
+    by_sm = report.bytes_copied if path is CopyPath.SM else 0
+    assert (report.bytes_sm, report.bytes_copy_engine) == (by_sm, report.bytes_copied - by_sm)
+    assert sum(ran) == by_sm
+    assert (report.recent_release_bytes >= 8 * MiB) is (path is CopyPath.SM)
     assert same_bytes(weights, expected)
-    assert "(sm)" in mm.status().table()
+    assert f"({path.value})" in mm.status().table()
     assert mm.wake_up().copy_path is None  # the KV cache only maps: no copy ran
-    del weights
-    mm.close()
-
-
-def test_a_wake_after_the_window_copies_by_the_copy_engines(
-    clock: Clock, policy: CopyPathPolicy
-) -> None:
-    mm = MemoryManager("host", copy_policy=policy)
-    weights, expected = sleep_with_large_release(mm, clock)
-    clock.now += 0.51
-    report = mm.wake_up(["weights"])
-    assert report.copy_path is CopyPath.COPY_ENGINE
-    assert report.bytes_copy_engine == report.bytes_copied > 0 and report.bytes_sm == 0
-    assert same_bytes(weights, expected)
     del weights
     mm.close()
 
