@@ -30,7 +30,7 @@
   graphs) at batch 1 and 64, in a child process of the same run.
 
 Usage: python benchmarks/moe.py [--out results.jsonl] [--layers 48] [--skip-peer]
-[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-all-pdl] [--skip-kernels] (about 7-8
+[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-knobs-off] [--skip-kernels] (about 7-8
 minutes on an H200 at 48 layers; ``--layers 8`` for a quick look).
 """
 
@@ -194,7 +194,7 @@ def run_child(args: argparse.Namespace, moe_path: str) -> None:
     """Decode alone in a child process: the torch reference path (``moe_path`` "peer";
     DORMANT_TRITON is read at import), or the Triton kernels with the sorted MoE path only
     ("sorted"), without the fused router and the skinny GEMV ("unfused"), or with the loop
-    down kernel and plain launches ("plain"), or with every batch-1 PDL knob on ("all-pdl")."""
+    down kernel and plain launches ("plain"), or with the batch-1 PDL knobs off ("knobs-off")."""
     command = [sys.executable, __file__, "--decode-only", "--layers", str(args.layers),
                "--context", str(args.context)]  # fmt: skip
     if args.out:
@@ -215,30 +215,33 @@ def sorted_only() -> None:
 
 def plain_launches() -> None:
     """The batch-1 choices before the tenth session: the experts' loop down kernel, and no
-    programmatic dependent launch in the experts, the router or the decode attention."""
+    programmatic dependent launch anywhere (the experts, the router, the decode attention, the
+    eleventh session's knobs)."""
     from dormant.layers import triton_attention, triton_moe_direct, triton_router
 
+    knobs_off()
     triton_moe_direct.KERNELS = "loop"
     triton_moe_direct.USE_PDL = triton_router.USE_PDL = False
     triton_attention.USE_PDL_AT_BATCH_1 = False
 
 
-def all_pdl() -> None:
-    """Every batch-1 launch knob on: PDL in the norms, the rotary kernel and the KV write, and
-    the PDL GEMV for the attention projections (on top of today's defaults)."""
+def knobs_off() -> None:
+    """The tenth session's defaults: no PDL in the norms, the rotary kernel and the KV write, and
+    cuBLAS for the attention projections at one token (the knobs are on since the eleventh)."""
     from dormant.layers import triton_gemv, triton_kv_cache, triton_norm, triton_rotary
 
     for module in (triton_gemv, triton_kv_cache, triton_norm, triton_rotary):
-        module.USE_PDL_AT_BATCH_1 = True
+        module.USE_PDL_AT_BATCH_1 = False
 
 
 def unfused() -> None:
     """Every sparse layer routes by the router's GEMM and ``topk_softmax`` (as before
     ``layers/triton_router.py``), and the attention projections run cuBLAS (as before
-    ``layers/triton_gemv.py``)."""
+    ``layers/triton_gemv.py``), with the batch-1 PDL knobs off."""
     from dormant.layers import linear
     from dormant.models import qwen3_moe
 
+    knobs_off()
     qwen3_moe.is_router_fused = lambda num_tokens: False
     linear.is_skinny = lambda num_tokens: False
 
@@ -248,7 +251,7 @@ MOE_PATHS = {
     "sorted": ("triton, sorted MoE path (old)", sorted_only),
     "unfused": ("triton, unfused router, cuBLAS attention (old)", unfused),
     "plain": ("triton, loop down kernel, plain launches (old)", plain_launches),
-    "all-pdl": ("triton, PDL norms/rotary/KV write + PDL GEMV (knobs on)", all_pdl),
+    "knobs-off": ("triton, no PDL norms/rotary/KV write, cuBLAS GEMV (tenth session)", knobs_off),
 }
 
 
@@ -265,10 +268,10 @@ def main() -> None:
                         help="no step with the old router and cuBLAS attention")  # fmt: skip
     parser.add_argument("--skip-plain", action="store_true",
                         help="no step with the loop down kernel and plain launches")  # fmt: skip
-    parser.add_argument("--skip-all-pdl", action="store_true",
-                        help="no step with every batch-1 PDL knob on")  # fmt: skip
+    parser.add_argument("--skip-knobs-off", action="store_true",
+                        help="no step with the batch-1 PDL knobs off")  # fmt: skip
     parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused", "plain", "all-pdl"),
+    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused", "plain", "knobs-off"),
                         default="auto", help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     rec = Recorder(args.out)
@@ -305,8 +308,8 @@ def main() -> None:
     del llm, worker
     torch.cuda.empty_cache()
     print(table(rows, COLUMNS))
-    if IS_TRITON_ENABLED and not args.skip_all_pdl:
-        run_child(args, "all-pdl")
+    if IS_TRITON_ENABLED and not args.skip_knobs_off:
+        run_child(args, "knobs-off")
     if IS_TRITON_ENABLED and not args.skip_plain:
         run_child(args, "plain")
     if IS_TRITON_ENABLED and not args.skip_unfused:

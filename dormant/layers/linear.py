@@ -16,7 +16,7 @@ A layer opted in with ``enable_skinny_gemv`` runs its local matmul with the Trit
 summation order than cuBLAS; the Qwen3-MoE model opts its attention projections in, no other
 model does. A layer opted in with ``enable_pdl_gemv`` runs one token with ``pdl_linear`` (its
 weights prefetched under programmatic dependent launch) while ``triton_gemv.USE_PDL_AT_BATCH_1``
-is set (read at each call: off by default); Qwen3-MoE opts its attention projections in.
+is set (read at each call: on by default); Qwen3-MoE opts its attention projections in.
 """
 
 from __future__ import annotations

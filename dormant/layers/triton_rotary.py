@@ -25,8 +25,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dormant.layers.triton_pdl import use_pdl
 
 HEADS_PER_PROGRAM = 8  # one program rotates this many heads of one token
-# One token only (a batch-1 decode step): launch with PDL (triton_pdl.py). Unmeasured: off.
-USE_PDL_AT_BATCH_1 = False
+# One token only (a batch-1 decode step): launch with PDL (triton_pdl.py). On since the engine's
+# GPU tests passed with it (2026-12-02f run 1); benchmarks/moe.py's knobs-off child turns it off.
+USE_PDL_AT_BATCH_1 = True
 
 
 @triton.jit

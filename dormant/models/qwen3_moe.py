@@ -86,7 +86,7 @@ class Qwen3MoeForCausalLM(CausalLM):
     per layer with ``enable_skinny_gemv``) measured slower at batch 1 on the H200 (9.8 us per
     projection against cuBLAS's 7.8 us QKV and 6.9 + 1.7 us O; 2026-12-02c run 5). They are
     opted in to the PDL GEMV (``enable_pdl_gemv``), which runs only while
-    ``triton_gemv.USE_PDL_AT_BATCH_1`` is set (off: unmeasured)."""
+    ``triton_gemv.USE_PDL_AT_BATCH_1`` is set (the default)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

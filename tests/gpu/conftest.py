@@ -4,15 +4,10 @@ poisoning memory manager on the cuda backend (``cuda_mm``).
 A test takes the ``engines`` fixture (tests/conftest.py: it shuts them down and frees torch's
 cache) and makes its engines with ``make_engine(engines, checkpoint, **options)``;
 ``options`` override ``ENGINE_DEFAULTS``.
-
-``DORMANT_TEST_PDL_KNOBS=1`` runs the GPU tests with every opt-in batch-1 PDL knob on (the
-norms, rotary, KV write and the attention projections' GEMV: ``benchmarks/moe.py``'s
-``all_pdl``), to check them in the engine before they become defaults.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,14 +20,6 @@ MiB = 1 << 20
 ENGINE_DEFAULTS = dict(
     device="cuda", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=16 * MiB
 )
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _batch_1_pdl_knobs() -> None:
-    if os.environ.get("DORMANT_TEST_PDL_KNOBS") == "1":
-        from benchmarks.moe import all_pdl
-
-        all_pdl()
 
 
 @pytest.fixture

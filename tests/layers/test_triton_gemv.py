@@ -70,7 +70,7 @@ def test_no_model_opts_in_by_default(architecture: str, extra) -> None:
     [("Qwen3MoeForCausalLM", _MOE), ("Qwen3ForCausalLM", {}), ("LlamaForCausalLM", {})],
 )
 def test_only_qwen3_moes_attention_projections_opt_in_to_the_pdl_gemv(architecture, extra):
-    """They run it only while ``triton_gemv.USE_PDL_AT_BATCH_1`` is set (off by default)."""
+    """They run it only while ``triton_gemv.USE_PDL_AT_BATCH_1`` is set (the default)."""
     config = ModelConfig.from_dict({**_TINY, **extra, "architectures": [architecture]})
     with torch.device("meta"):
         model = build_model(config)
@@ -81,21 +81,21 @@ def test_only_qwen3_moes_attention_projections_opt_in_to_the_pdl_gemv(architectu
     assert count == (2 * config.num_hidden_layers if opted else 0)
 
 
-def test_the_pdl_gemv_is_off_by_default() -> None:
+def test_every_batch_1_pdl_knob_is_on_by_default() -> None:
     pytest.importorskip("triton")
     from dormant.layers import triton_gemv, triton_kv_cache, triton_norm, triton_rotary
 
     knobs = (triton_gemv, triton_kv_cache, triton_norm, triton_rotary)
-    assert not any(module.USE_PDL_AT_BATCH_1 for module in knobs)
+    assert all(module.USE_PDL_AT_BATCH_1 for module in knobs)
 
 
-def test_moe_benchmarks_all_pdl_child_turns_every_knob_on(monkeypatch) -> None:
+def test_moe_benchmarks_knobs_off_child_turns_every_knob_off(monkeypatch) -> None:
     pytest.importorskip("triton")
     from benchmarks import moe
     from dormant.layers import triton_gemv, triton_kv_cache, triton_norm, triton_rotary
 
     knobs = (triton_gemv, triton_kv_cache, triton_norm, triton_rotary)
     for module in knobs:  # restored when the test ends
-        monkeypatch.setattr(module, "USE_PDL_AT_BATCH_1", False)
-    moe.all_pdl()
-    assert all(module.USE_PDL_AT_BATCH_1 for module in knobs)
+        monkeypatch.setattr(module, "USE_PDL_AT_BATCH_1", True)
+    moe.knobs_off()
+    assert not any(module.USE_PDL_AT_BATCH_1 for module in knobs)
