@@ -15,13 +15,16 @@ Prints one JSON line per stage (median and mean microseconds per bucket over eve
 ``read`` (``PayloadSkeletons.read``: rebuilding the tensor and finding the bucket's layout, the
 metadata unpickled only on a bucket's first read), ``plan`` (CopyPlans.get), ``copy`` (running
 the plan's steps), ``end payload``, and ``call`` (the whole ``update_weights_from_tensor``,
-timed separately), plus the thread CPU time per call; then one rebuild of a held storage by
-torch's ``rebuild_cuda_tensor`` and by ``IpcHandles`` (per call, ``held_rebuild``), and the same
-buckets as the receiver read them before (``torch path: ...``: torch's rebuild on its cache, the
-whole pickle and its metadata read every bucket; its counter release is torch's per-call map and
-unmap done in Python, ``ipc_host_parts.TorchStorage``). The values written are checked against
-``load_weights`` of the same tensors, and the sender's counters: ``shares_held`` must equal
-``handles_opened``.
+timed separately), plus the thread CPU time per call; ``llm call`` (and its CPU time): the same
+buckets through a CPU engine's ``LLM.update_weights_from_tensor`` (one in-process rank, as a
+one-GPU engine runs: the engine's refit and what it does after the command, the executor, the
+worker, the refitter, the receiver; ``ipc_host_parts.engine_receiving_from``); then one rebuild
+of a held storage by torch's ``rebuild_cuda_tensor`` and by ``IpcHandles`` (per call,
+``held_rebuild``), and the same buckets as the receiver read them before (``torch path: ...``:
+torch's rebuild on its cache, the whole pickle and its metadata read every bucket; its counter
+release is torch's per-call map and unmap done in Python, ``ipc_host_parts.TorchStorage``). The
+values written are checked against ``load_weights`` of the same tensors (the engine's too), and
+the sender's counters: ``shares_held`` must equal ``handles_opened``.
 
     python benchmarks/ipc_host.py [--refits 20] [--bucket-mib 512] [--out host.jsonl]
 """
@@ -44,11 +47,13 @@ from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.ipc_host_parts import (
     StandInDriver,
+    engine_receiving_from,
     held_rebuild,
     hold_in_torchs_cache,
     serialize,
     torch_rebuild,
 )
+from dormant import LLM
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
 from dormant.worker.copy_plans import CopyPlans
@@ -169,13 +174,51 @@ def main() -> None:
         # every share's counter released once, but the opened ones' (their deleter's, on a GPU)
         shares_held=int(driver.slots[: driver.num_shared].sum()),
     )  # fmt: skip
-    parts = (*held_rebuild(driver).items(), *torch_path(model, groups, driver, args.refits).items())
+    parts = (
+        *engine_calls(recorder, groups, driver, args.refits).items(),
+        *held_rebuild(driver).items(),
+        *torch_path(model, groups, driver, args.refits).items(),
+    )
     for stage, values in (*stages.items(), *parts):
         recorder.emit(
             case="ipc host stage", stage=stage, buckets=len(values),
             median_us=statistics.median(values) * 1e6, mean_us=statistics.mean(values) * 1e6,
         )  # fmt: skip
     driver.close()
+
+
+def engine_calls(
+    recorder: Recorder, groups: list[list[str]], driver: StandInDriver, refits: int
+) -> dict[str, list[float]]:
+    """The same buckets through a CPU engine's ``LLM.update_weights_from_tensor`` (the engine's
+    refit, its executor, the worker's ``handle``, the refitter, the receiver, and whatever the
+    engine does after the command); the first refit builds the plans and is not timed."""
+    llm, receiver = engine_receiving_from(driver, ModelConfig.from_dict(SMALL))
+    model = receiver_model(llm)
+    stages: dict[str, list[float]] = {"llm call": [], "llm call cpu": []}
+    weights: dict[str, Tensor] = {}
+    for refit in range(refits + 1):
+        weights = new_weights(model, refit)
+        for names in groups:
+            entry = serialize(driver, [(name, weights[name]) for name in names])
+            t0, c0 = time.perf_counter(), time.thread_time()
+            llm.update_weights_from_tensor([entry], load_format=FLATTENED_BUCKET)
+            t1, c1 = time.perf_counter(), time.thread_time()
+            if refit:
+                stages["llm call"].append(t1 - t0)
+                stages["llm call cpu"].append(c1 - c0)
+        receiver.release()
+    recorder.emit(
+        case="ipc host engine", verified=verify(model, weights),
+        stale_weights=len(llm.llm_engine.sleep_control.stale_weights),
+        handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
+    )  # fmt: skip
+    llm.shutdown()
+    return stages
+
+
+def receiver_model(llm: LLM) -> CausalLM:
+    return llm.llm_engine.executor.worker.model  # type: ignore[attr-defined]
 
 
 def torch_path(

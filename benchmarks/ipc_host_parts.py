@@ -6,7 +6,8 @@ ref-counter file laid out as torch's (in /dev/shm, where torch's are), one slot 
 15 arguments). ``TorchStorage`` and ``torch_rebuild`` run torch's ``rebuild_cuda_tensor`` on a
 storage its ``shared_cache`` holds, as the receiver did before it kept its own map: the cache,
 a ``TypedStorage`` and ``_rebuild_tensor``, and the counter release as torch's C++ does it per
-call (map the file, decrement the slot, unmap).
+call (map the file, decrement the slot, unmap). ``engine_receiving_from`` builds a CPU engine
+whose rank receives through the stand-in driver.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ import torch
 from torch import Tensor
 from torch.multiprocessing import reductions
 
+from dormant import LLM
+from dormant.executors import UniprocExecutor
+from dormant.models import ModelConfig
 from dormant.worker.ipc_counters import FILE_BYTES, HEADER_BYTES, REF_COUNTER_SLOTS, RefCounterFiles
 from dormant.worker.ipc_handles import IpcHandles
+from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import pack_flattened_bucket
 
 HANDLE = b"sender-buffer"
@@ -60,6 +65,17 @@ class StandInDriver:
 
     def close(self) -> None:
         os.unlink(self.path)
+
+
+def engine_receiving_from(driver: StandInDriver, config: ModelConfig) -> tuple[LLM, IpcReceiver]:
+    """A CPU engine of ``config`` (one rank, in-process, as a one-GPU engine runs) whose rank
+    receives through ``driver``, and that rank's receiver."""
+    llm = LLM(config, max_model_len=256, max_num_seqs=4, enforce_eager=True,
+              skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    executor = llm.llm_engine.executor
+    assert isinstance(executor, UniprocExecutor)
+    receiver = executor.worker.refitter.ipc = IpcReceiver(driver.handles())
+    return llm, receiver
 
 
 class SharedBuffer:

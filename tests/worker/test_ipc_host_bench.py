@@ -1,7 +1,7 @@
 """``benchmarks/ipc_host.py`` runs on the CPU: its buckets, pickled as a trainer's CUDA buckets,
 write the values ``load_weights`` would, each bucket layout's plan is built once for every
 refit, a bucket in the model's order is one copy, each layout's metadata is read once, and
-every share's counter is released once."""
+every share's counter is released once; through a CPU engine's ``LLM`` too."""
 
 from __future__ import annotations
 
@@ -26,8 +26,14 @@ def test_the_ipc_host_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys) ->
     stages = {row["stage"]: row for row in rows if row["case"] == "ipc host stage"}
     held = {"held rebuild, torch's", "held rebuild, ours"}
     torch_path = {f"torch path: {stage}" for stage in ipc_host.TORCH_PATH}
-    assert set(stages) == {*ipc_host.STAGES, "call", "call cpu", *held, *torch_path}
+    engine = {"llm call", "llm call cpu"}
+    assert set(stages) == {*ipc_host.STAGES, "call", "call cpu", *held, *torch_path, *engine}
     # every timed bucket once: one refit of two timed its stages, the other its whole calls
     assert all(stages[s]["buckets"] == 30 for s in (*ipc_host.STAGES, "call", "call cpu"))
+    # the engine's calls: every bucket of the timed refits, its weights written, none stale
+    assert all(stages[s]["buckets"] == 2 * 30 for s in engine)
+    llm = next(row for row in rows if row["case"] == "ipc host engine")
+    assert llm["verified"] and llm["stale_weights"] == 0
+    assert llm["handles_opened"] == 3 and llm["handles_reused"] == 3 * 30 - 3
     assert all(stages[s]["buckets"] == 2 * 30 for s in torch_path)
     assert setup["skeleton_misses"] == 30 and setup["skeleton_hits"] == 2 * 30
