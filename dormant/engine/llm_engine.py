@@ -45,6 +45,7 @@ from dormant.engine.spec_stats import SpecDecodeStats
 from dormant.engine.speculation import record_step
 from dormant.engine.tokenizer import Tokenizer
 from dormant.executors import Executor, UniprocExecutor, make_executor
+from dormant.worker.refit_record import RefitReport
 
 
 class LLMEngine:
@@ -289,5 +290,10 @@ class LLMEngine:
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
 
-    def _refresh_sleep_state(self) -> None:
-        self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
+    def _refresh_sleep_state(self, reports: Sequence[RefitReport] | None = None) -> None:
+        """Asks every rank for its sleep state, or records what a refit that succeeded on every
+        rank reported (``SleepControl.refitted``: only the weight record can have changed)."""
+        if reports is None:
+            self.sleep_control.update(self.executor.run(Command.SLEEP_STATE))
+        else:
+            self.sleep_control.refitted(reports)

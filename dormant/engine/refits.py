@@ -2,6 +2,9 @@
 
 Every path runs on every rank and then asks the ranks which weights are still stale (all of
 them after a refit that failed partway: the worker's ``RefitRecord`` decides, not the engine).
+``update_weights_from_tensor``, sent once per bucket, is answered with each rank's record
+(``RefitReport``), so a bucket that every rank wrote costs one round trip, not two; one that
+failed anywhere still asks every rank.
 A refit that succeeds may set ``weight_version`` (SGLang's ``get_weight_version``). The prefix
 cache is the engine's to invalidate on any weight change, so ``flush_cache`` is accepted for
 SGLang's callers and needs no action here. The caller's own code (``run_callers_code``) may
@@ -17,12 +20,15 @@ import torch
 
 from dormant.core.commands import Command
 from dormant.executors import Executor
+from dormant.worker.refit_record import RefitReport
 
 Names = list[tuple[str, ...]]  # per rank, in rank order: the names each rank wrote
+# Records the ranks' sleep state: asked of every rank (None), or from what a refit reported.
+Refresh = Callable[[Sequence[RefitReport] | None], None]
 
 
 class WeightRefits:
-    def __init__(self, executor: Executor, refresh: Callable[[], None]) -> None:
+    def __init__(self, executor: Executor, refresh: Refresh) -> None:
         self._executor, self._refresh = executor, refresh
         self.weight_version = "default"  # SGLang's name for weights no refit has named
 
@@ -32,10 +38,26 @@ class WeightRefits:
         try:
             results = self._executor.run(command, *args)
         finally:
-            self._refresh()
+            self._refresh(None)
         if weight_version is not None:
             self.weight_version = weight_version
         return results
+
+    def run_reported(
+        self, command: Command, *args: Any, weight_version: str | None = None
+    ) -> Names:
+        """``run`` for a command every rank answers with a ``RefitReport``: if every rank
+        succeeded, the reports are the ranks' records (nothing else a rank reports changes in
+        a refit); if any failed, every rank is asked, as ``run`` does."""
+        try:
+            reports: list[RefitReport] = self._executor.run(command, *args)
+        except BaseException:
+            self._refresh(None)
+            raise
+        self._refresh(reports)
+        if weight_version is not None:
+            self.weight_version = weight_version
+        return [report.names for report in reports]
 
     def run_callers_code(
         self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -68,7 +90,7 @@ class WeightRefits:
         (one per TP rank, or one for all), plain or as a ``"flattened_bucket"``."""
         if isinstance(named_tensors, tuple):
             named_tensors = list(named_tensors)
-        return self.run(
+        return self.run_reported(
             Command.UPDATE_WEIGHTS_FROM_TENSOR,
             named_tensors,
             load_format,

@@ -53,6 +53,7 @@ from dormant.memory import (
     TagState,
     UnknownTagError,
 )
+from dormant.worker.refit_record import RefitReport
 
 SLEEP_MODES = ("abort", "wait", "keep")
 # What waking one of vLLM's tags also wakes: a refit writes weights and checkpoint k/v scales
@@ -82,6 +83,26 @@ class SleepControl:
         self.ranks = tuple(ranks)
         if self.is_fully_awake:
             self.level = None
+        self._check_ranks_agree()
+
+    def refitted(self, reports: Sequence[RefitReport]) -> None:
+        """Records what a refit that succeeded on every rank reports: each rank's weight record
+        after it. A refit changes nothing else a rank reports (its tags' states, its KV
+        discards), so the rest of each rank's last report stands, and so does ``level``;
+        raises as ``update``."""
+        self.ranks = tuple(
+            RankSleepState(
+                tags=state.tags,
+                stale_weights=report.stale_weights,
+                num_weights=state.num_weights,
+                num_weight_writes=report.num_weight_writes,
+                num_kv_discards=state.num_kv_discards,
+            )
+            for state, report in zip(self.ranks, reports, strict=True)
+        )
+        self._check_ranks_agree()
+
+    def _check_ranks_agree(self) -> None:
         differ = [rank for rank, state in enumerate(self.ranks) if state != self.ranks[0]]
         if differ:
             raise RankStateMismatchError(

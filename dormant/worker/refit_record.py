@@ -11,12 +11,26 @@ invisible to the record::
     a load writes names N                  stale − N
     a load fails partway                   every weight (values may be mixed)
 
-Generating is refused while anything is stale.
+Generating is refused while anything is stale. A refit command sent once per bucket
+(``update_weights_from_tensor``) answers a ``RefitReport``: the names and the record after the
+write, what the driver would otherwise ask the rank for in a second round trip.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RefitReport:
+    """A rank's answer to a refit that succeeded: the names it wrote (sorted), and its record
+    right after (``RankSleepState``'s ``stale_weights`` and ``num_weight_writes``). A refit
+    changes nothing else a rank reports: its tags' states and its KV discards stay as they were."""
+
+    names: tuple[str, ...]
+    stale_weights: frozenset[str]
+    num_weight_writes: int
 
 
 class RefitRecord:
@@ -50,3 +64,7 @@ class RefitRecord:
     def failed(self) -> None:
         self.stale = set(self.names)
         self.num_writes += 1
+
+    def report(self, names: tuple[str, ...]) -> RefitReport:
+        """``names`` (a refit's, written) with the record as it stands now."""
+        return RefitReport(names, frozenset(self.stale), self.num_writes)

@@ -40,8 +40,8 @@ from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec, num_local_
 from dormant.worker.model_runner import ModelRunner
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.rank_sleep import RankSleep, captures_collectives
-from dormant.worker.refit import Refitter, check_awake
-from dormant.worker.refit_record import RefitRecord
+from dormant.worker.refit import Refitter, TensorPayload, check_awake
+from dormant.worker.refit_record import RefitRecord, RefitReport
 from dormant.worker.spec_step import SpecStep
 
 
@@ -93,7 +93,7 @@ class Worker:
             Command.SLEEP_STATE: self.sleep_state,
             Command.RELOAD_WEIGHTS: self.refitter.reload_weights,
             Command.UPDATE_WEIGHTS: self.refitter.update_weights,
-            Command.UPDATE_WEIGHTS_FROM_TENSOR: self.refitter.update_weights_from_tensor,
+            Command.UPDATE_WEIGHTS_FROM_TENSOR: self._refit_from_tensor,
             Command.INIT_WEIGHTS_UPDATE_GROUP: self.refitter.init_weights_update_group,
             Command.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.refitter.update_weights_from_distributed,
             Command.DESTROY_WEIGHTS_UPDATE_GROUP: self.refitter.destroy_weights_update_group,
@@ -242,6 +242,13 @@ class Worker:
     def sleep_state(self) -> RankSleepState:
         """This rank's memory state per tag and its stale weights, derived now."""
         return self.rank_sleep.state()
+
+    def _refit_from_tensor(
+        self, tensors: TensorPayload, load_format: str | None = None
+    ) -> RefitReport:
+        """A bucket's refit (``Refitter``'s), answered with the record after it (private: an
+        extension's ``update_weights_from_tensor`` would otherwise conflict)."""
+        return self.refits.report(self.refitter.update_weights_from_tensor(tensors, load_format))
 
     @property
     def num_kv_discards(self) -> int:
