@@ -15,11 +15,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dormant.layers.triton_pdl import use_pdl
+from dormant.layers.triton_pdl import pdl_for
 
 # One token only (a batch-1 decode step): launch with PDL (triton_pdl.py). On since the engine's
 # GPU tests passed with it (2026-12-02f run 1); benchmarks/moe.py's knobs-off child turns it off.
 USE_PDL_AT_BATCH_1 = True
+# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off until
+# benchmarks/dense_decode_sweep.py measures it at batch 64-256 on the H200.
+USE_PDL_ABOVE_BATCH_1 = False
 
 
 @triton.jit
@@ -63,13 +66,13 @@ def write_kv_cache(
 ) -> None:
     """Same contract as ``dormant.layers.attention.write_kv_cache``. Preconditions besides:
     ``kv_cache`` is contiguous, ``key``/``value`` have unit stride in the last dimension, and
-    ``head_dim`` is a power of two. ``pdl`` overrides ``USE_PDL_AT_BATCH_1`` (one token only;
+    ``head_dim`` is a power of two. ``pdl`` overrides the PDL knobs (``triton_pdl.pdl_for``;
     off where the device has no PDL), for tuning."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     is_fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    is_pdl = num_tokens == 1 and use_pdl(pdl, USE_PDL_AT_BATCH_1, key.device)
+    is_pdl = pdl_for(num_tokens, pdl, USE_PDL_AT_BATCH_1, USE_PDL_ABOVE_BATCH_1, key.device)
     _write_kernel[(num_tokens, num_kv_heads)](
         key, value, kv_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

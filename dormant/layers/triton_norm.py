@@ -18,11 +18,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dormant.layers.triton_pdl import use_pdl
+from dormant.layers.triton_pdl import pdl_for
 
 # One row only (a batch-1 decode step): launch with PDL (triton_pdl.py). On since the engine's GPU
 # tests passed with it (2026-12-02f run 1); benchmarks/moe.py's knobs-off child turns it off.
 USE_PDL_AT_BATCH_1 = True
+# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off until
+# benchmarks/dense_decode_sweep.py measures it at batch 64-256 on the H200.
+USE_PDL_ABOVE_BATCH_1 = False
 
 
 @triton.jit
@@ -64,15 +67,15 @@ def rms_norm(
 
     With ``residual`` (``x``'s shape and dtype) the input is ``x + residual``, and that sum is
     returned as the second value, in a new tensor; ``x`` and ``residual`` are never written.
-    Precondition: ``weight`` is ``[n]`` in ``x``'s dtype. ``pdl`` overrides
-    ``USE_PDL_AT_BATCH_1`` (one row only; off where the device has no PDL), for tuning.
+    Precondition: ``weight`` is ``[n]`` in ``x``'s dtype. ``pdl`` overrides the
+    PDL knobs (``triton_pdl.pdl_for``; off where the device has no PDL), for tuning.
     """
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     residual_rows = residual.reshape(-1, n) if residual is not None else rows
     residual_out = torch.empty_like(out) if residual is not None else out
-    is_pdl = rows.shape[0] == 1 and use_pdl(pdl, USE_PDL_AT_BATCH_1, x.device)
+    is_pdl = pdl_for(rows.shape[0], pdl, USE_PDL_AT_BATCH_1, USE_PDL_ABOVE_BATCH_1, x.device)
     if rows.shape[0] > 0:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, residual_rows, residual_out, out, weight, n, eps,

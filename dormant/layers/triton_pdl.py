@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the batch-1 decode kernels: a kernel launched with
+"""Programmatic dependent launch (PDL) for the decode kernels: a kernel launched with
 ``launch_pdl=True`` may start while the kernel before it in the stream still runs.
 
 At batch 1 a decode layer is a chain of small kernels, and each launch leaves a gap in which
@@ -6,6 +6,12 @@ the GPU drains one kernel and ramps up the next (the MoE batch-1 step on the H20
 of kernels a layer in about 85 us). With PDL the next kernel's programs are resident when the
 previous kernel ends; each may read what the previous kernel does not write (weights), then
 waits in ``gdc_wait`` until that kernel has finished, its writes visible.
+
+Each kernel module has two knobs, read at each call (so at graph capture): ``USE_PDL_AT_BATCH_1``
+for launches over one row (a batch-1 decode step) and ``USE_PDL_ABOVE_BATCH_1`` for every other
+launch (larger decode batches, prefill); ``pdl_for`` picks between them. Behind a cuBLAS GEMM
+(launched plainly, never triggering early) a PDL kernel still launches while the GEMM's last
+programs drain; behind another PDL kernel it is resident before that kernel ends.
 
 The rules a PDL kernel keeps (the hardware checks none of them):
 - before ``gdc_wait`` it reads only what no kernel of the step writes (weights), or what a
@@ -46,3 +52,12 @@ def is_pdl_available(device: torch.device) -> bool:
 def use_pdl(requested: bool | None, default: bool, device: torch.device) -> bool:
     """``requested`` (``default`` when None), and only where the device has PDL."""
     return (default if requested is None else requested) and is_pdl_available(device)
+
+
+def pdl_for(
+    rows: int, requested: bool | None, at_batch_1: bool, above_batch_1: bool, device: torch.device
+) -> bool:
+    """Whether a launch over ``rows`` rows (tokens, or sequences) takes PDL: ``requested`` when
+    given, else the module's knob for its size (``at_batch_1`` for one row, ``above_batch_1``
+    for more); never where the device has no PDL."""
+    return use_pdl(requested, at_batch_1 if rows == 1 else above_batch_1, device)

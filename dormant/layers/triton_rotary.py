@@ -22,12 +22,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dormant.layers.triton_pdl import use_pdl
+from dormant.layers.triton_pdl import pdl_for
 
 HEADS_PER_PROGRAM = 8  # one program rotates this many heads of one token
 # One token only (a batch-1 decode step): launch with PDL (triton_pdl.py). On since the engine's
 # GPU tests passed with it (2026-12-02f run 1); benchmarks/moe.py's knobs-off child turns it off.
 USE_PDL_AT_BATCH_1 = True
+# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off until
+# benchmarks/dense_decode_sweep.py measures it at batch 64-256 on the H200.
+USE_PDL_ABOVE_BATCH_1 = False
 
 
 @triton.jit
@@ -88,8 +91,8 @@ def rotate_qk_(
     the last dimension; ``positions`` int64 ``[num_tokens]``; ``cos_sin_cache`` float32
     ``[max_position, head_dim]`` as ``RotaryEmbedding`` builds it. ``norm`` is
     ``(q_weight, k_weight, eps)`` to RMS-normalise each head first. The v heads are untouched.
-    Precondition: ``head_dim`` is a power of two. ``pdl`` overrides ``USE_PDL_AT_BATCH_1`` (one
-    token only; off where the device has no PDL), for tuning.
+    Precondition: ``head_dim`` is a power of two. ``pdl`` overrides the PDL knobs
+    (``triton_pdl.pdl_for``; off where the device has no PDL), for tuning.
     """
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
@@ -97,7 +100,7 @@ def rotate_qk_(
     q_weight, k_weight, eps = norm if norm is not None else (qkv, qkv, 0.0)
     num_heads = num_q_heads + num_kv_heads
     heads = min(HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
-    is_pdl = num_tokens == 1 and use_pdl(pdl, USE_PDL_AT_BATCH_1, qkv.device)
+    is_pdl = pdl_for(num_tokens, pdl, USE_PDL_AT_BATCH_1, USE_PDL_ABOVE_BATCH_1, qkv.device)
     _rotate_kernel[(num_tokens, triton.cdiv(num_heads, heads))](
         qkv, positions, cos_sin_cache, q_weight, k_weight, eps, qkv.stride(0),
         cos_sin_cache.stride(0), NUM_Q_HEADS=num_q_heads, NUM_HEADS=num_heads, HEADS=heads,

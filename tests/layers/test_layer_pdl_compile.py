@@ -1,7 +1,8 @@
-"""The rest of the batch-1 decode layer under programmatic dependent launch, compiled for the
-H200 (sm_90) on the CPU at Qwen3-30B-A3B's shapes: the RMSNorm, the rotary kernel (with the
-q/k norm), the KV write, the attention's merge and the PDL GEMV (``pdl_linear``) of the QKV
-and O projections, at its default tiles and the ones ``benchmarks/moe_b1_sweep.py`` times.
+"""The rest of the decode layer under programmatic dependent launch, compiled for the H200
+(sm_90) on the CPU at Qwen3-30B-A3B's shapes: the RMSNorm, the rotary kernel (with the q/k
+norm), the KV write, the attention's merge, ``silu_and_mul`` (the dense MLP's, PDL above batch
+1 only when ``USE_PDL_ABOVE_BATCH_1`` is set) and the PDL GEMV (``pdl_linear``) of the QKV and O
+projections, at its default tiles and the ones ``benchmarks/moe_b1_sweep.py`` times.
 
 - none spills a register;
 - under PDL each waits once (``griddepcontrol.wait``) and triggers the next kernel only after
@@ -22,6 +23,7 @@ import pytest
 triton = pytest.importorskip("triton")
 from benchmarks.moe_b1_chains import GEMV_PREFETCH  # noqa: E402
 from dormant.layers import (  # noqa: E402
+    triton_activation,
     triton_attention,
     triton_gemv,
     triton_kv_cache,
@@ -43,6 +45,8 @@ WRITE_ARGS = {"key_ptr": "*bf16", "value_ptr": "*bf16", "cache_ptr": "*bf16",
               "stride_key_token": "i32", "stride_key_head": "i32", "stride_value_token": "i32",
               "stride_value_head": "i32", "stride_cache_kv": "i32",
               "stride_cache_slot": "i32"}  # fmt: skip
+SILU_ARGS = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n": "i32", "stride_x": "i32",
+             "stride_out": "i32"}  # fmt: skip
 MERGE_ARGS = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
               "stride_o_seq": "i32", "stride_o_head": "i32"}  # fmt: skip
 GEMV_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32",
@@ -103,6 +107,17 @@ def test_the_kv_write_loads_its_slot_before_the_wait(pdl: bool) -> None:
     before = _check_pdl(kernel, pdl)
     if pdl:
         assert before.count("LDG.E") >= 1 and "STG" not in before
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_silu_and_mul_reads_nothing_before_the_wait(pdl: bool) -> None:
+    """Its only input is the gate/up projection's: under PDL no load precedes the wait, and
+    every load after it is from L2."""
+    constexprs = {"BLOCK": 2048, "USE_PDL": pdl, "CACHE": _cache(pdl)}
+    kernel = _compile(triton_activation._silu_and_mul_kernel, SILU_ARGS, constexprs, num_warps=4)
+    before = _check_pdl(kernel, pdl)
+    if pdl:
+        assert "LDG" not in before and "STG" not in before
 
 
 def test_the_attention_merge_triggers_after_its_wait() -> None:
