@@ -38,18 +38,27 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dormant.layers.context import AttentionMetadata
 from dormant.layers.triton_paged import attend_tile
-from dormant.layers.triton_pdl import use_pdl
+from dormant.layers.triton_pdl import pdl_for
 
 BLOCK_N = 64  # positions per tile
 MAX_NUM_SPLITS = 32
 # Split programs a launch aims at, per SM: a batch with this many (sequence, kv head) pairs per
 # SM is not split at all.
 PROGRAMS_PER_SM = 8
+# Nor is a batch with this many pairs per SM: its merge (float32 partials written and read back,
+# a kernel of its own) costs more than the splits win. benchmarks/dense_decode_sweep.py on the
+# H200, Qwen3-8B's decode layer at context 768 in graphs planned for 1024 positions, per layer:
+# batch 64 (3.9 pairs per SM) 3 splits 187.8 us, 1 split 181.5; batch 128, 2 splits 248.7 us,
+# 1 split 244.3 (results/2026-12-03-run2-dense-sweep.jsonl).
+UNSPLIT_PAIRS_PER_SM = 3
 # Batch 1 only: launch both kernels with programmatic dependent launch (triton_pdl.py), so each
 # launch hides behind the kernel before it. Measured by benchmarks/moe_b1_sweep.py on the H200:
 # the KV write + decode attention of one layer, graph replay, 7.8 -> 7.0 us, bit-exact
 # (results/2026-12-02d-run3-moe-b1-sweep.jsonl).
 USE_PDL_AT_BATCH_1 = True
+# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off until
+# benchmarks/dense_decode_sweep.py measures it at batch 64-256 on the H200.
+USE_PDL_ABOVE_BATCH_1 = False
 
 
 @triton.jit
@@ -139,10 +148,12 @@ def plan_splits(
 ) -> tuple[int, int]:
     """(splits, positions per split) of a decode launch: about ``PROGRAMS_PER_SM`` programs
     per SM (or ``wanted`` splits), at most ``MAX_NUM_SPLITS`` splits of whole tiles covering
-    ``max_seq_len``; one split when the batch's (sequence, kv head) pairs reach that count
-    alone."""
+    ``max_seq_len``; one split when the batch's (sequence, kv head) pairs reach
+    ``UNSPLIT_PAIRS_PER_SM`` per SM."""
+    pairs = max(num_seqs * num_kv_heads, 1)
     if wanted is None:
-        wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+        is_unsplit = pairs >= UNSPLIT_PAIRS_PER_SM * num_sms
+        wanted = 1 if is_unsplit else triton.cdiv(PROGRAMS_PER_SM * num_sms, pairs)
     max_tiles = triton.cdiv(max_seq_len, BLOCK_N)
     num_splits = max(1, min(wanted, MAX_NUM_SPLITS, max_tiles))
     length = triton.cdiv(max_tiles, num_splits) * BLOCK_N
@@ -172,8 +183,8 @@ def paged_decode_attention(
 
     Preconditions: decode (``meta.max_query_len == 1``); ``1 <= seq_lens <= meta.max_seq_len``;
     ``head_dim`` a power of two, at least 16. Any block size. For tuning: ``wanted_splits``
-    overrides ``plan_splits``' count, ``pdl`` ``USE_PDL_AT_BATCH_1`` (batch 1 only; off where
-    the device has no PDL).
+    overrides ``plan_splits``' count, ``pdl`` the PDL knobs (``triton_pdl.pdl_for``; off where the
+    device has no PDL).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -181,7 +192,7 @@ def paged_decode_attention(
     num_splits, length = plan_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, num_sms(query.device), wanted_splits
     )
-    is_pdl = num_seqs == 1 and use_pdl(pdl, USE_PDL_AT_BATCH_1, query.device)
+    is_pdl = pdl_for(num_seqs, pdl, USE_PDL_AT_BATCH_1, USE_PDL_ABOVE_BATCH_1, query.device)
     out = torch.empty_like(query)
     if num_splits == 1:  # the split kernel writes ``out``; no partials, no merge
         part_out, part_lse = out, out
