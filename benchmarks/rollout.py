@@ -277,16 +277,8 @@ def main() -> None:
         "--multi-steps", type=int, default=1,
         help="cuda_graph_multi_steps: decode steps per fused graph replay (default 1: none)",
     )  # fmt: skip
-    parser.add_argument(
-        "--unsplit-pairs-per-sm", type=float, default=None,
-        help="triton_attention.UNSPLIT_PAIRS_PER_SM for this run (1000: the rule before it)",
-    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.unsplit_pairs_per_sm is not None:
-        from dormant.layers import triton_attention  # needs triton
-
-        triton_attention.UNSPLIT_PAIRS_PER_SM = args.unsplit_pairs_per_sm
     num_prompts, prompt_len, out_len = (16, 256, 128) if args.quick else (64, 512, 512)
     shape, options = QWEN3_8B_LIKE, {"gpu_memory_utilization": 0.9}
     if args.smoke:
@@ -296,8 +288,7 @@ def main() -> None:
     started = time.perf_counter()
     rec = Recorder(args.out)
     on_gpu = torch.cuda.is_available()
-    rec.emit(case="environment", quick=args.quick, unsplit_pairs_per_sm=args.unsplit_pairs_per_sm,
-             **(environment() if on_gpu else {}))  # fmt: skip
+    rec.emit(case="environment", quick=args.quick, **(environment() if on_gpu else {}))
     device = (  # smoke runs: stand-ins
         Device(device_copy_bandwidth(), matmul_flops_per_s()) if on_gpu else Device(1e10, 1e11)
     )

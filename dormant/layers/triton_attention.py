@@ -45,12 +45,6 @@ MAX_NUM_SPLITS = 32
 # Split programs a launch aims at, per SM: a batch with this many (sequence, kv head) pairs per
 # SM is not split at all.
 PROGRAMS_PER_SM = 8
-# Nor is a batch with this many pairs per SM: its merge (float32 partials written and read back,
-# a kernel of its own) costs more than the splits win. benchmarks/dense_decode_sweep.py on the
-# H200, Qwen3-8B's decode layer at context 768 in graphs planned for 1024 positions, per layer:
-# batch 64 (3.9 pairs per SM) 3 splits 187.8 us, 1 split 181.5; batch 128, 2 splits 248.7 us,
-# 1 split 244.3 (results/2026-12-03-run2-dense-sweep.jsonl).
-UNSPLIT_PAIRS_PER_SM = 3
 # Batch 1 only: launch both kernels with programmatic dependent launch (triton_pdl.py), so each
 # launch hides behind the kernel before it. Measured by benchmarks/moe_b1_sweep.py on the H200:
 # the KV write + decode attention of one layer, graph replay, 7.8 -> 7.0 us, bit-exact
@@ -148,12 +142,10 @@ def plan_splits(
 ) -> tuple[int, int]:
     """(splits, positions per split) of a decode launch: about ``PROGRAMS_PER_SM`` programs
     per SM (or ``wanted`` splits), at most ``MAX_NUM_SPLITS`` splits of whole tiles covering
-    ``max_seq_len``; one split when the batch's (sequence, kv head) pairs reach
-    ``UNSPLIT_PAIRS_PER_SM`` per SM."""
-    pairs = max(num_seqs * num_kv_heads, 1)
+    ``max_seq_len``; one split when the batch's (sequence, kv head) pairs reach that count
+    alone."""
     if wanted is None:
-        is_unsplit = pairs >= UNSPLIT_PAIRS_PER_SM * num_sms
-        wanted = 1 if is_unsplit else triton.cdiv(PROGRAMS_PER_SM * num_sms, pairs)
+        wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
     max_tiles = triton.cdiv(max_seq_len, BLOCK_N)
     num_splits = max(1, min(wanted, MAX_NUM_SPLITS, max_tiles))
     length = triton.cdiv(max_tiles, num_splits) * BLOCK_N

@@ -89,11 +89,6 @@ def test_a_batch_that_fills_the_gpu_is_not_split() -> None:
     assert plan_splits(512, 8, 2048, 132) == (1, 2048)
     assert plan_splits(132, 8, 2048, 132) == (1, 2048)
     assert plan_splits(1, 8, 100, 132) == (2, 64)  # never more splits than tiles
-    # 3 pairs per SM and more (UNSPLIT_PAIRS_PER_SM): batch 64 of 8 kv heads was 3 splits
-    assert plan_splits(64, 8, 1024, 132) == (1, 1024)
-    assert plan_splits(128, 8, 1024, 132) == (1, 1024)
-    assert plan_splits(50, 8, 1024, 132) == (1, 1024)  # 400 pairs: 3.03 per SM
-    assert plan_splits(49, 8, 1024, 132) == (3, 384)  # 392 pairs: 2.97 per SM, still split
     for num_seqs in (1, 7, 64, 300):
         splits, length = plan_splits(num_seqs, 2, 3000, 132)
         assert length % 64 == 0 and splits * length >= 3000 > (splits - 1) * length
