@@ -6,20 +6,20 @@ Qwen3-8B's shapes (hidden 4096, 32 q / 8 kv heads, head_dim 128, intermediate 12
 random weights, each layer its own (L2 serves no later layer). A layer is what the engine
 launches on the Triton path (``DecoderLayer.forward``): the input norm with its residual, the
 QKV projection (cuBLAS), the q/k norms and rotary (one kernel), the KV write, the decode
-attention (split, then merged unless one split), the O projection, the post-attention norm, the
-gate/up projection, ``silu_and_mul`` and the down projection. Every sequence is at position
-``--context`` in tables planned for ``MAX_MODEL_LEN`` (the rollout's 512 + 512): what a captured
-graph plans its splits for.
+attention (its splits merged by the layer's merge tickets), the O projection, the
+post-attention norm, the gate/up projection, ``silu_and_mul`` and the down projection. Every
+sequence is at position ``--context`` in tables planned for ``MAX_MODEL_LEN`` (the rollout's
+512 + 512): what a captured graph plans its splits for.
 
-Variants per batch size: the defaults; programmatic dependent launch (``triton_pdl.py``) in
-every Triton kernel of the layer (``pdl``, what ``USE_PDL_ABOVE_BATCH_1`` turns on); and each
-split count, with and without it. Each is captured in one CUDA graph over ``NUM_LAYERS`` layers
-(``moe_b1_sweep.run_variant``: timed replays, the median per layer), then replayed on fresh
-inputs and checked against its own kernels launched plainly and eagerly: a variant that
-changes only the launch must give the same bits (``bit_exact``). Each row also gives the
-layer's roofline (its weights and the KV it reads, at the measured copy bandwidth) and the
-median against it (``x_roofline``; the engine's step adds the LM head, the sampler and host
-work, ``benchmarks/rollout.py``).
+Variants per batch size: the defaults; the merge in a kernel of its own; programmatic dependent
+launch (``triton_pdl.py``) in every Triton kernel of the layer (``pdl``, what
+``USE_PDL_ABOVE_BATCH_1`` turns on); and each split count, with and without it. Each is
+captured in one CUDA graph over ``NUM_LAYERS`` layers (``moe_b1_sweep.run_variant``: timed
+replays, the median per layer), then replayed on fresh inputs and checked against its own
+kernels launched plainly and eagerly: a variant that changes only the launch must give the same
+bits (``bit_exact``). Each row also gives the layer's roofline (its weights and the KV it reads,
+at the measured copy bandwidth) and the median against it (``x_roofline``; the engine's step
+adds the LM head, the sampler and host work, ``benchmarks/rollout.py``).
 
 Usage: python benchmarks/dense_decode_sweep.py [--out results.jsonl] [--batch-sizes 64,128,256]
 [--context 768] [--budget-s 150]
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import Recorder, environment, table
 from benchmarks.moe_b1_chains import Chain, Variant
+from dormant.layers.attention import new_merge_tickets
 from dormant.layers.context import AttentionMetadata
 from dormant.layers.rotary import RotaryEmbedding
 from dormant.layers.triton_activation import silu_and_mul
@@ -56,8 +57,10 @@ PDL_KEYS = ("pdl",)
 
 
 def variants() -> list[Variant]:
-    """The defaults first, then each split count; then all of them with PDL."""
-    plain = [Variant("default")] + [Variant(f"splits {n}", (("wanted_splits", n),)) for n in SPLITS]
+    """The defaults first, then the merge in a kernel of its own (as before the merge tickets),
+    then each split count; then all of them with PDL."""
+    plain = [Variant("default"), Variant("merge kernel", (("merge_kernel", True),))]
+    plain += [Variant(f"splits {n}", (("wanted_splits", n),)) for n in SPLITS]
     with_pdl = [Variant(f"{v.name} +pdl", (*v.options, ("pdl", True))) for v in plain]
     return plain + with_pdl
 
@@ -87,6 +90,7 @@ class DenseLayerChain(Chain):
         blocks_per_seq = MAX_MODEL_LEN // BLOCK_SIZE
         cache_shape = (2, batch * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.kv = [randn(*cache_shape) for _ in layers]
+        self.merge_tickets = [new_merge_tickets(self.device) for _ in layers]
         self.rotary = RotaryEmbedding(HEAD_DIM, MAX_MODEL_LEN, 1e6).to(self.device)
         self.unit_scale = torch.ones((), dtype=torch.float32, device=self.device)
         seqs = torch.arange(batch, dtype=torch.int64, device=self.device)
@@ -121,9 +125,11 @@ class DenseLayerChain(Chain):
             scales = (self.unit_scale, self.unit_scale)
             write_kv_cache(self.kv[layer], k.reshape(kv_shape), v.reshape(kv_shape),
                            self.meta.slot_mapping, *scales, **pdl)  # fmt: skip
+            is_merge_kernel = variant.kwargs("merge_kernel").get("merge_kernel", False)
             attention = paged_decode_attention(
                 q.reshape(self.batch, NUM_HEADS, HEAD_DIM), self.kv[layer], self.meta,
-                HEAD_DIM**-0.5, self.unit_scale, self.unit_scale,
+                HEAD_DIM**-0.5, *scales,
+                tickets=None if is_merge_kernel else self.merge_tickets[layer],
                 **variant.kwargs("wanted_splits", "pdl"),
             )  # fmt: skip
             o = F.linear(attention.reshape(self.batch, q_size), self.w_o[layer])

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dormant.layers.attention import new_merge_tickets
 from dormant.layers.context import AttentionMetadata
 from dormant.layers.rotary import RotaryEmbedding
 from dormant.layers.triton_attention import paged_decode_attention
@@ -175,6 +176,7 @@ class AttentionChain(Chain):
         self.k = [_randn(generator, 1, NUM_KV_HEADS, HEAD_DIM) for _ in layers]
         self.v = [_randn(generator, 1, NUM_KV_HEADS, HEAD_DIM) for _ in layers]
         self.unit_scale = torch.ones((), dtype=torch.float32, device=DEVICE)
+        self.merge_tickets = [new_merge_tickets(DEVICE) for _ in layers]
         tables = torch.arange(num_blocks, dtype=torch.int32, device=DEVICE)[None]
         self.meta = AttentionMetadata(
             slot_mapping=torch.tensor([CONTEXT], dtype=torch.int64, device=DEVICE),
@@ -186,15 +188,18 @@ class AttentionChain(Chain):
         )
         self.variants = [Variant("planned +pdl (default)"), Variant("planned", (("pdl", False),))]
         self.variants += [Variant(f"splits {n} +pdl", (("wanted_splits", n),)) for n in (16, 8)]
+        # the merge in a kernel of its own, as before the merge tickets (twelfth session)
+        self.variants.append(Variant("planned +pdl, merge kernel", (("merge_kernel", True),)))
 
     def run(self, variant: Variant) -> list[torch.Tensor]:
         outputs = []
         for layer in range(self.num_layers):
             write_kv_cache(self.kv[layer], self.k[layer], self.v[layer], self.meta.slot_mapping,
                            self.unit_scale, self.unit_scale)  # fmt: skip
+            is_merge_kernel = variant.kwargs("merge_kernel").get("merge_kernel", False)
             outputs.append(paged_decode_attention(
                 self.q[layer], self.kv[layer], self.meta, HEAD_DIM**-0.5, self.unit_scale,
-                self.unit_scale,
+                self.unit_scale, tickets=None if is_merge_kernel else self.merge_tickets[layer],
                 **variant.kwargs("wanted_splits", "pdl"),
             ))  # fmt: skip
         return outputs
@@ -250,6 +255,7 @@ class LayerChain(Chain):
         self.w2 = [_randn(generator, NUM_EXPERTS, HIDDEN, INTER, scale=INTER**-0.5) for _ in layers]
         self.gate = [_randn(generator, NUM_EXPERTS, HIDDEN, scale=HIDDEN**-0.5) for _ in layers]
         self.tickets = [new_router_ticket(DEVICE) for _ in layers]
+        self.merge_tickets = [new_merge_tickets(DEVICE) for _ in layers]
         shape = (2, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.kv = [_randn(generator, *shape) for _ in layers]
         rotary = RotaryEmbedding(HEAD_DIM, MAX_MODEL_LEN, 1e6)
@@ -298,7 +304,8 @@ class LayerChain(Chain):
                            pdl=option("write_pdl"))  # fmt: skip
             attended = paged_decode_attention(
                 q.reshape(1, NUM_HEADS, HEAD_DIM), self.kv[layer], self.meta, HEAD_DIM**-0.5,
-                self.unit_scale, self.unit_scale, pdl=option("attention_pdl"),
+                self.unit_scale, self.unit_scale, tickets=self.merge_tickets[layer],
+                pdl=option("attention_pdl"),
             )  # fmt: skip
             o = self._project(variant, attended.reshape(1, q_size), self.o[layer], "o_tiles")
             normed, residual = rms_norm(o, post_norm, 1e-6, residual, pdl=option("norm_pdl"))

@@ -161,15 +161,30 @@ def _split_decode_rows(
     return out
 
 
+# Merge tickets per layer (triton_attention.py): one per (sequence, kv head) of a split decode
+# launch. plan_splits splits fewer pairs than PROGRAMS_PER_SM per SM (1056 on an H200's 132, 2048
+# on 256 SMs); a launch of more pairs than this merges in a kernel of its own.
+NUM_MERGE_TICKETS = 2048
+
+
+def new_merge_tickets(device: torch.device | str | None = None) -> Tensor:
+    """A layer's merge tickets: int32 ``[NUM_MERGE_TICKETS]``, zero (what every launch leaves
+    them at)."""
+    return torch.zeros(NUM_MERGE_TICKETS, dtype=torch.int32, device=device)
+
+
 class PagedAttention(nn.Module):
     k_scale: Tensor  # buffers: calibrated state, kept in runtime memory
     v_scale: Tensor
+    merge_tickets: Tensor  # a buffer: derived state, zero between launches
 
     """Writes this step's keys/values into the layer's KV cache, then attends over it.
 
     Buffers ``k_scale``/``v_scale`` (float32, shape ``[]``, persistent): fp8 cache scales,
-    loadable from a checkpoint's ``...self_attn.k_scale``/``v_scale``. ``kv_cache`` is a plain
-    attribute (not a buffer), set by the engine:
+    loadable from a checkpoint's ``...self_attn.k_scale``/``v_scale``. Buffer ``merge_tickets``
+    (int32, not persistent): the Triton decode kernel's merge tickets (``triton_attention.py``),
+    zero between launches, set by ``init_buffers``. ``kv_cache`` is a plain attribute (not a
+    buffer), set by the engine:
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
@@ -186,7 +201,13 @@ class PagedAttention(nn.Module):
         self.layer_idx = layer_idx
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("merge_tickets", new_merge_tickets(), persistent=False)
         self.kv_cache: Tensor | None = None
+
+    def init_buffers(self) -> None:
+        """Zeroes the merge tickets in place (after materialization: adopted buffers start
+        undefined)."""
+        self.merge_tickets.zero_()
 
     def reset_kv_scales(self) -> None:
         """Sets both scales to 1.0 in place (after materialization, when no checkpoint has any)."""
@@ -227,7 +248,9 @@ class PagedAttention(nn.Module):
         )
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
         attend = _attention_kernel(cache, meta)
-        out = attend(query, cache, meta, self.scale, self.k_scale, self.v_scale)
+        is_triton_decode = attend is not paged_attention_reference and meta.max_query_len == 1
+        options = {"tickets": self.merge_tickets} if is_triton_decode else {}
+        out = attend(query, cache, meta, self.scale, self.k_scale, self.v_scale, **options)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

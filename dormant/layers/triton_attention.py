@@ -11,8 +11,20 @@ Split-KV ("flash decoding"), in two kernels:
    in tiles of ``BLOCK_N`` positions, each position's KV block looked up in the block table, with
    an online softmax; it writes its normalised partial output and log-sum-exp. Splits that start
    past the sequence's end write a log-sum-exp of -inf and stop.
-2. One program per (sequence, query head) merges the splits, weighting each by its share of
-   the softmax mass.
+2. The splits are merged, each weighted by its share of the softmax mass: by the last split
+   program of each (sequence, kv head) to finish, given the layer's merge tickets (``tickets``,
+   ``attention.new_merge_tickets``: no kernel of its own, no launch); otherwise by a second
+   kernel, one program per (sequence, query head).
+
+The tickets are int32 counters, one per (sequence, kv head), zero between launches: every split
+program stores its partial, then (a CTA barrier, so every thread's stores are out) draws a
+ticket with ``atomic_add``, acq_rel at GPU scope; the one that draws ``NUM_SPLITS - 1`` reads
+the others' partials from L2 and writes the output, then sets the counter back to 0 (every
+other program has drawn), so no memset is needed and a graph replays as is. They are the
+layer's persistent state (a ``runtime`` buffer of ``PagedAttention``, restored bit-exact by
+every sleep level). Precondition: two launches with one layer's tickets never run at once (one
+stream per model). A batch with more (sequence, kv head) pairs than tickets, which
+``plan_splits`` never splits, takes the merge kernel.
 
 The split count depends only on the batch size and ``max_seq_len`` (host ints, fixed for a
 captured graph), so a graph replays for any context length (``plan_splits``). Splits are for
@@ -45,6 +57,7 @@ MAX_NUM_SPLITS = 32
 # Split programs a launch aims at, per SM: a batch with this many (sequence, kv head) pairs per
 # SM is not split at all.
 PROGRAMS_PER_SM = 8
+
 # Batch 1 only: launch both kernels with programmatic dependent launch (triton_pdl.py), so each
 # launch hides behind the kernel before it. Measured by benchmarks/moe_b1_sweep.py on the H200:
 # the KV write + decode attention of one layer, graph replay, 7.8 -> 7.0 us, bit-exact
@@ -58,13 +71,13 @@ USE_PDL_ABOVE_BATCH_1 = False
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr,
-    v_scale_ptr, sm_scale,
+    v_scale_ptr, sm_scale, out_ptr, tickets_ptr,
     stride_q_seq, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
     stride_o_seq, stride_o_head,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
     if USE_PDL:  # q and the new token's KV are the previous kernels'; then the merge may launch
         gdc_wait()
@@ -79,11 +92,15 @@ def _split_kernel(
     # partials are [num_seqs, NUM_HEADS, NUM_SPLITS] (+ [HEAD_DIM] for the outputs)
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     start = split * SPLIT_LEN
+    d = tl.arange(0, HEAD_DIM)
     if NUM_SPLITS > 1 and start >= seq_len:  # (one split: split 0, never empty)
         tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32), g_mask)
+        if FUSED_MERGE:
+            _draw_and_merge(part_out_ptr, part_lse_ptr, out_ptr, tickets_ptr, seq, kv_head,
+                            heads, g_mask, d, stride_o_seq, stride_o_head, NUM_HEADS,
+                            NUM_SPLITS, GROUP, HEAD_DIM)  # fmt: skip
         return
     end = tl.minimum(seq_len, start + SPLIT_LEN)
-    d = tl.arange(0, HEAD_DIM)
     n = tl.arange(0, BLOCK_N)
     q_offsets = seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
@@ -111,6 +128,47 @@ def _split_kernel(
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc / denom[:, None],
              mask=g_mask[:, None])  # fmt: skip
     tl.store(part_lse_ptr + part, m + tl.log(denom), mask=g_mask)
+    if FUSED_MERGE:
+        _draw_and_merge(part_out_ptr, part_lse_ptr, out_ptr, tickets_ptr, seq, kv_head, heads,
+                        g_mask, d, stride_o_seq, stride_o_head, NUM_HEADS, NUM_SPLITS,
+                        GROUP, HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _draw_and_merge(
+    part_out_ptr, part_lse_ptr, out_ptr, tickets_ptr, seq, kv_head, heads, g_mask, d,
+    stride_o_seq, stride_o_head, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """A split program's ticket; the last of its (sequence, kv head) merges the group's heads
+    (the module docstring). The partials are read from L2: this SM's L1 never held them in
+    this launch, but may hold another layer's at the same graph-pool address."""
+    tl.debug_barrier()  # every thread's partials are stored before the ticket is drawn
+    ticket_ptr = tickets_ptr + seq * (NUM_HEADS // GROUP) + kv_head
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:  # every other split of the pair is out: merge them
+        first = (seq * NUM_HEADS + heads) * NUM_SPLITS  # [GROUP_PAD]: each head's split 0
+        top = tl.full(heads.shape, float("-inf"), tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
+                          cache_modifier=".cg")  # fmt: skip
+            top = tl.maximum(top, lse)
+        top = tl.where(g_mask, top, 0.0)  # split 0 is never empty: finite on every real head
+        total = tl.zeros(heads.shape, tl.float32)
+        acc = tl.zeros([heads.shape[0], HEAD_DIM], tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
+                          cache_modifier=".cg")  # fmt: skip
+            weight = tl.exp(lse - top)
+            partial = tl.load(part_out_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :],
+                              mask=(g_mask & (weight > 0))[:, None], other=0.0,
+                              cache_modifier=".cg")  # fmt: skip
+            acc += partial * weight[:, None]
+            total += weight
+        out = acc / tl.where(g_mask, total, 1.0)[:, None]
+        o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        tl.store(ticket_ptr, 0)  # every other program has drawn: the next launch starts at 0
 
 
 @triton.jit
@@ -168,15 +226,18 @@ def paged_decode_attention(
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     *,
+    tickets: torch.Tensor | None = None,
     wanted_splits: int | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """``query`` ``[num_seqs, num_heads, head_dim]`` (one token per sequence) → same shape.
 
     Preconditions: decode (``meta.max_query_len == 1``); ``1 <= seq_lens <= meta.max_seq_len``;
-    ``head_dim`` a power of two, at least 16. Any block size. For tuning: ``wanted_splits``
-    overrides ``plan_splits``' count, ``pdl`` the PDL knobs (``triton_pdl.pdl_for``; off where the
-    device has no PDL).
+    ``head_dim`` a power of two, at least 16. Any block size. ``tickets``: the layer's merge
+    tickets (``attention.new_merge_tickets``, on ``query``'s device), to merge the splits in
+    the split kernel; never two launches on one layer's tickets at once. For tuning:
+    ``wanted_splits`` overrides ``plan_splits``' count, ``pdl`` the PDL knobs
+    (``triton_pdl.pdl_for``; off where the device has no PDL).
     """
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -184,6 +245,9 @@ def paged_decode_attention(
     num_splits, length = plan_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, num_sms(query.device), wanted_splits
     )
+    if tickets is not None and (tickets.dtype != torch.int32 or tickets.device != query.device):
+        raise ValueError("tickets must be the layer's int32 merge tickets on query's device")
+    is_fused = tickets is not None and num_splits > 1 and num_seqs * num_kv_heads <= tickets.numel()
     is_pdl = pdl_for(num_seqs, pdl, USE_PDL_AT_BATCH_1, USE_PDL_ABOVE_BATCH_1, query.device)
     out = torch.empty_like(query)
     if num_splits == 1:  # the split kernel writes ``out``; no partials, no merge
@@ -196,7 +260,7 @@ def paged_decode_attention(
     keys, values = kv_cache[0], kv_cache[1]
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, keys, values, meta.block_tables, meta.seq_lens, part_out, part_lse, k_scale,
-        v_scale, scale,
+        v_scale, scale, out, tickets if is_fused else out,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLIT_LEN=length, GROUP=group,
@@ -204,9 +268,9 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         IS_FP8=kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=is_pdl,
-        num_warps=4, num_stages=2, launch_pdl=is_pdl,
+        FUSED_MERGE=is_fused, num_warps=4, num_stages=2, launch_pdl=is_pdl,
     )  # fmt: skip
-    if num_splits == 1:
+    if num_splits == 1 or is_fused:
         return out
     _merge_kernel[(num_seqs, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,

@@ -96,10 +96,11 @@ class CausalLM(nn.Module, ABC):
         return [cast(DecoderLayer, layer).self_attn.attn for layer in self.model.layers]
 
     def init_buffers(self) -> None:
-        """Recomputes every derived buffer in place. k/v scales are calibrated state and are
-        left alone (see ``reset_kv_scales``)."""
+        """Recomputes every derived buffer in place: the rotary tables and the attention layers'
+        merge tickets. k/v scales are calibrated state and are left alone (see
+        ``reset_kv_scales``)."""
         for module in self.modules():
-            if isinstance(module, RotaryEmbedding):
+            if isinstance(module, RotaryEmbedding | PagedAttention):
                 module.init_buffers()
 
     def reset_kv_scales(self) -> None:

@@ -91,6 +91,8 @@ def _rollout(engines, checkpoint) -> list[tuple[tuple[int, ...], list[float]]]:
             for sample in output.outputs:
                 chosen = [next(iter(step.values())).logprob for step in sample.logprobs]
                 results.append((tuple(sample.token_ids), chosen))
+    engines.remove(llm)  # one memory manager per device: the next engine needs this one gone
+    llm.shutdown()
     return results
 
 

@@ -64,12 +64,15 @@ def test_the_layer_chain_replays_the_bits_of_plain_launches(layer_chain: LayerCh
     (variant,) = [v for v in layer_chain.variants if v.name == name]
     _check_replays_match(layer_chain, variant, layer_chain.reference(variant))
     assert all(int(ticket) == 0 for ticket in layer_chain.tickets)
+    assert all(int(t.count_nonzero()) == 0 for t in layer_chain.merge_tickets)
 
 
 def test_the_batch_1_attention_with_pdl_replays_the_bits_of_plain_launches() -> None:
-    """The KV write and the decode attention (PDL by default at batch 1) of 96 layers."""
+    """The KV write and the decode attention (PDL by default at batch 1, the splits merged by
+    tickets) of 96 layers."""
     chain = AttentionChain()
     _check_replays_match(chain, chain.default, Variant("plain", (("pdl", False),)))
+    assert all(int(t.count_nonzero()) == 0 for t in chain.merge_tickets)
 
 
 @pytest.mark.parametrize("shape", [(1, 5120, 2048), (1, 2048, 4096)])

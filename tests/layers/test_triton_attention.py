@@ -57,19 +57,45 @@ INTERPRETER_CASES = [  # (cache, query, heads, kv heads, head_dim, block_size, m
 ]
 
 
-@pytest.mark.parametrize("programs_per_sm", [8, 0])  # split as a small batch is; one split
-def test_decode_kernel_in_the_triton_interpreter(programs_per_sm: int) -> None:
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(32, 8), (16, 2), (32, 4)])
+def test_the_splits_merged_by_tickets_match_the_reference(cache_dtype, num_heads, num_kv_heads):
+    """The last split program of each (sequence, kv head) merges: the reference's output, and
+    every ticket back at 0 (a graph replays on them as they are)."""
+    from dormant.layers.attention import new_merge_tickets
+
+    cuda = torch.device("cuda")
+    tickets = new_merge_tickets(cuda)
+    for _ in range(2):  # the second call draws on the tickets the first left
+        error = relative_error(
+            DECODE_BATCH, cache_dtype, torch.bfloat16, num_heads, num_kv_heads, 128, 16, cuda,
+            kernel="decode", max_seq_len=4096, tickets=tickets,
+        )  # fmt: skip
+        assert error < tolerance(torch.bfloat16), error
+        assert int(tickets.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    ("programs_per_sm", "tickets"),
+    [(8, None), (0, None), (8, 1024), (8, 1)],  # split, merged by a kernel; one split; merged
+)  # by tickets; more pairs than tickets: the merge kernel
+def test_decode_kernel_in_the_triton_interpreter(programs_per_sm: int, tickets) -> None:
     pytest.importorskip("triton")
     script = (
         "import torch\n"
         "from dormant.layers import triton_attention\n"
         "from tests.layers import test_triton_attention as t\n"
         f"triton_attention.PROGRAMS_PER_SM = {programs_per_sm}\n"
+        "options = {}\n"
+        f"if {tickets is not None}:\n"
+        f"    options['tickets'] = torch.zeros({tickets}, dtype=torch.int32)\n"
         "for *case, max_seq_len in t.INTERPRETER_CASES:\n"
         "    error = t.relative_error(t.SMALL_DECODE_BATCH, *case, torch.device('cpu'),\n"
-        "                             kernel='decode', max_seq_len=max_seq_len)\n"
+        "                             kernel='decode', max_seq_len=max_seq_len, **options)\n"
         "    print(case, error)\n"
         "    assert error < t.tolerance(case[1]), (case, error)\n"
+        "    assert all(int(x) == 0 for x in options.get('tickets', [])), options\n"
     )
     result = run_interpreted(script, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -44,10 +44,11 @@ def relative_error(
     device: torch.device,
     kernel: str = "prefill",
     max_seq_len: int | None = None,
+    **options: object,
 ) -> float:
     """Runs the kernel (``"prefill"`` or ``"decode"``) and the reference on one random batch;
     returns ``|out - ref| / |ref|``. ``max_seq_len`` overrides the metadata's bound, as a
-    captured graph's does (``max_model_len``).
+    captured graph's does (``max_model_len``); ``options`` go to the kernel.
 
     Every cache entry the kernel must not read is NaN: the slots past each sequence's length in
     its last block, and a spare block that the padding entries of the block tables point at.
@@ -86,7 +87,7 @@ def relative_error(
         meta = dataclasses.replace(meta, max_seq_len=max_seq_len)
     scale = head_dim**-0.5
     expected = paged_attention_reference(query, cache, meta, scale, k_scale, v_scale).float()
-    actual = attend(query, cache, meta, scale, k_scale, v_scale)
+    actual = attend(query, cache, meta, scale, k_scale, v_scale, **options)
     assert actual.shape == query.shape and actual.dtype == query.dtype
     assert not torch.isnan(actual).any()
     return float((actual.float() - expected).norm() / expected.norm())
