@@ -64,21 +64,19 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # the tenth session's changes that no GPU call ran: the SM-copy policy's 48 GiB threshold under
-  # sleep_wake.py (its 8B + 32 GiB KV wake should stay on the copy engines) and the layers' GPU
-  # tests the call's limits cut (prefill, sampling); then refit.py, not run since the eighth
-  python3 benchmarks/sleep_wake.py --cycles 3 --out "$OUT/sleep_wake.jsonl" 2>&1 | tee "$OUT/sleep_wake.log"
+  # the twelfth session's changes that no GPU call ran: the engine's GPU tests with the splits
+  # merged by the layers' merge tickets (the default since 5883480; only the attention's own GPU
+  # tests, the PDL chains and benchmarks ran with them), and the PDL-above-batch-1 engine test
+  # as fixed (it built a second engine while the first held the device's memory manager)
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_pdl_above_batch_1.py \
+    tests/gpu/test_engine_graphs.py tests/gpu/test_moe_lifecycle.py tests/gpu/test_spec_decode_gpu.py \
+    tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_logprobs_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
   status=$((status | PIPESTATUS[0]))
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/layers/test_triton_prefill.py \
-    tests/layers/test_triton_sampling.py tests/gpu/test_sm_copy_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
+  # the merge tickets against the merge kernel, batch 1 (96 attention layers) and batch 64-256
+  python3 benchmarks/moe_b1_sweep.py --only attention --out "$OUT/moe-b1-attention.jsonl" 2>&1 \
+    | tee "$OUT/moe-b1-attention.log"
   status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/refit.py --bucket-mib 512 --repeats 3 --out "$OUT/refit.jsonl" 2>&1 | tee "$OUT/refit.log"
-  status=$((status | PIPESTATUS[0]))
-  # the engine with every opt-in batch-1 PDL knob on (2.21 x at 48 layers, against 2.41 x off,
-  # run 4): if these pass, the knobs can become the defaults
-  DORMANT_TEST_PDL_KNOBS=1 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
-    tests/gpu/test_moe_lifecycle.py tests/gpu/test_engine_graphs.py tests/gpu/test_spec_decode_gpu.py \
-    2>&1 | tee "$OUT/pending-pdl-knobs-tests.log"
+  python3 benchmarks/dense_decode_sweep.py --out "$OUT/dense-sweep.jsonl" 2>&1 | tee "$OUT/dense-sweep.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
