@@ -68,7 +68,10 @@ if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 mi
   # merged by the layers' merge tickets (the default since 5883480; only the attention's own GPU
   # tests, the PDL chains and benchmarks ran with them), and the PDL-above-batch-1 engine test
   # as fixed (it built a second engine while the first held the device's memory manager)
+  # and the merge kernel as it now runs the tickets' merge (_merge_group, one program per
+  # sequence and kv head: the decode tests without tickets take it)
   python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_pdl_above_batch_1.py \
+    tests/layers/test_triton_attention.py \
     tests/gpu/test_engine_graphs.py tests/gpu/test_moe_lifecycle.py tests/gpu/test_spec_decode_gpu.py \
     tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_logprobs_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
   status=$((status | PIPESTATUS[0]))

@@ -13,6 +13,7 @@ checked against.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -247,10 +248,8 @@ class PagedAttention(nn.Module):
             self.v_scale,
         )
         query = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        attend = _attention_kernel(cache, meta)
-        is_triton_decode = attend is not paged_attention_reference and meta.max_query_len == 1
-        options = {"tickets": self.merge_tickets} if is_triton_decode else {}
-        out = attend(query, cache, meta, self.scale, self.k_scale, self.v_scale, **options)
+        attend = _attention_kernel(cache, meta, self.merge_tickets)
+        out = attend(query, cache, meta, self.scale, self.k_scale, self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
@@ -264,14 +263,18 @@ def _use_triton_write(cache: Tensor) -> bool:
     return use_triton(cache) and is_power_of_two(cache.shape[-1]) and cache.is_contiguous()
 
 
-def _attention_kernel(cache: Tensor, meta: AttentionMetadata) -> Callable[..., Tensor]:
-    """On a GPU: the Triton decode kernel for decode steps, the Triton prefill kernel for
-    everything else. The CPU, and heads that are not a power of two of at least 16, use the
-    reference."""
+def _attention_kernel(
+    cache: Tensor, meta: AttentionMetadata, merge_tickets: Tensor
+) -> Callable[..., Tensor]:
+    """On a GPU: the Triton decode kernel for decode steps (its splits merged on the layer's
+    ``merge_tickets``), the Triton prefill kernel for everything else. The CPU, and heads that
+    are not a power of two of at least 16, use the reference."""
     head_dim = cache.shape[-1]
     if not use_triton(cache) or head_dim < 16 or not is_power_of_two(head_dim):
         return paged_attention_reference
-    return paged_decode_attention if meta.max_query_len == 1 else paged_prefill_attention
+    if meta.max_query_len == 1:
+        return functools.partial(paged_decode_attention, tickets=merge_tickets)
+    return paged_prefill_attention
 
 
 if IS_TRITON_AVAILABLE:  # else (CPU-only installs) the reference serves every step

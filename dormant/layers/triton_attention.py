@@ -14,7 +14,7 @@ Split-KV ("flash decoding"), in two kernels:
 2. The splits are merged, each weighted by its share of the softmax mass: by the last split
    program of each (sequence, kv head) to finish, given the layer's merge tickets (``tickets``,
    ``attention.new_merge_tickets``: no kernel of its own, no launch); otherwise by a second
-   kernel, one program per (sequence, query head).
+   kernel, one program per (sequence, kv head). Both run ``_merge_group``: the same bits.
 
 The tickets are int32 counters, one per (sequence, kv head), zero between launches: every split
 program stores its partial, then (a CTA barrier, so every thread's stores are out) draws a
@@ -63,8 +63,9 @@ PROGRAMS_PER_SM = 8
 # the KV write + decode attention of one layer, graph replay, 7.8 -> 7.0 us, bit-exact
 # (results/2026-12-02d-run3-moe-b1-sweep.jsonl).
 USE_PDL_AT_BATCH_1 = True
-# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off until
-# benchmarks/dense_decode_sweep.py measures it at batch 64-256 on the H200.
+# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off: in
+# benchmarks/dense_decode_sweep.py on the H200 it saved under 1 % of the dense layer at batch
+# 64-256 (results/2026-12-03-run2-dense-sweep.jsonl).
 USE_PDL_ABOVE_BATCH_1 = False
 
 
@@ -141,58 +142,63 @@ def _draw_and_merge(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     """A split program's ticket; the last of its (sequence, kv head) merges the group's heads
-    (the module docstring). The partials are read from L2: this SM's L1 never held them in
-    this launch, but may hold another layer's at the same graph-pool address."""
+    (the module docstring)."""
     tl.debug_barrier()  # every thread's partials are stored before the ticket is drawn
     ticket_ptr = tickets_ptr + seq * (NUM_HEADS // GROUP) + kv_head
     ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
     if ticket == NUM_SPLITS - 1:  # every other split of the pair is out: merge them
-        first = (seq * NUM_HEADS + heads) * NUM_SPLITS  # [GROUP_PAD]: each head's split 0
-        top = tl.full(heads.shape, float("-inf"), tl.float32)
-        for split in tl.static_range(NUM_SPLITS):
-            lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            top = tl.maximum(top, lse)
-        top = tl.where(g_mask, top, 0.0)  # split 0 is never empty: finite on every real head
-        total = tl.zeros(heads.shape, tl.float32)
-        acc = tl.zeros([heads.shape[0], HEAD_DIM], tl.float32)
-        for split in tl.static_range(NUM_SPLITS):
-            lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            weight = tl.exp(lse - top)
-            partial = tl.load(part_out_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :],
-                              mask=(g_mask & (weight > 0))[:, None], other=0.0,
-                              cache_modifier=".cg")  # fmt: skip
-            acc += partial * weight[:, None]
-            total += weight
-        out = acc / tl.where(g_mask, total, 1.0)[:, None]
-        o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
-        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, g_mask, d, stride_o_seq,
+                     stride_o_head, NUM_HEADS, NUM_SPLITS, HEAD_DIM)  # fmt: skip
         tl.store(ticket_ptr, 0)  # every other program has drawn: the next launch starts at 0
+
+
+@triton.jit
+def _merge_group(
+    part_out_ptr, part_lse_ptr, out_ptr, seq, heads, g_mask, d, stride_o_seq, stride_o_head,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Writes the output of ``heads`` (one kv head's group, ``g_mask`` its real rows) of
+    ``seq``: its splits' partials, each weighted by its share of the softmax mass. The partials
+    are read from L2: this SM's L1 may hold another layer's at the same graph-pool address."""
+    first = (seq * NUM_HEADS + heads) * NUM_SPLITS  # [GROUP_PAD]: each head's split 0
+    top = tl.full(heads.shape, float("-inf"), tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        top = tl.maximum(top, lse)
+    top = tl.where(g_mask, top, 0.0)  # split 0 is never empty: finite on every real head
+    total = tl.zeros(heads.shape, tl.float32)
+    acc = tl.zeros([heads.shape[0], HEAD_DIM], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + first + split, mask=g_mask, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp(lse - top)
+        partial = tl.load(part_out_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :],
+                          mask=(g_mask & (weight > 0))[:, None], other=0.0,
+                          cache_modifier=".cg")  # fmt: skip
+        acc += partial * weight[:, None]
+        total += weight
+    out = acc / tl.where(g_mask, total, 1.0)[:, None]
+    o_offsets = seq * stride_o_seq + heads[:, None] * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, stride_o_seq, stride_o_head,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    """One program per (sequence, kv head): ``_merge_group``, what the tickets' last split
+    program runs, so both paths give the same bits."""
     if USE_PDL:  # the partials are the split kernel's; then the O projection may launch (a
         gdc_wait()  # PDL GEMV, triton_gemv.py: it loads its weights; cuBLAS ignores the trigger)
         gdc_launch_dependents()
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    weight = tl.exp(lse - tl.max(lse, axis=0))  # split 0 is never empty: the max is finite
-    partial = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=(weight > 0)[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-    out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(weight, axis=0)
-    o_offsets = seq * stride_o_seq + head * stride_o_head + d
-    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty))
+    g = tl.arange(0, GROUP_PAD)
+    heads = tl.program_id(1) * GROUP + g
+    _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, g < GROUP, tl.arange(0, HEAD_DIM),
+                 stride_o_seq, stride_o_head, NUM_HEADS, NUM_SPLITS, HEAD_DIM)  # fmt: skip
 
 
 def plan_splits(
@@ -242,6 +248,7 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    group_pad = max(triton.next_power_of_2(group), 16)  # the query rows of a tensor-core tile
     num_splits, length = plan_splits(
         num_seqs, num_kv_heads, meta.max_seq_len, num_sms(query.device), wanted_splits
     )
@@ -260,11 +267,11 @@ def paged_decode_attention(
     keys, values = kv_cache[0], kv_cache[1]
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, keys, values, meta.block_tables, meta.seq_lens, part_out, part_lse, k_scale,
-        v_scale, scale, out, tickets if is_fused else out,
+        v_scale, scale, out, tickets if is_fused else out,  # (unread without FUSED_MERGE)
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         meta.block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLIT_LEN=length, GROUP=group,
-        GROUP_PAD=max(triton.next_power_of_2(group), 16), HEAD_DIM=head_dim,
+        GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
         IS_FP8=kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", USE_PDL=is_pdl,
@@ -272,9 +279,9 @@ def paged_decode_attention(
     )  # fmt: skip
     if num_splits == 1 or is_fused:
         return out
-    _merge_kernel[(num_seqs, num_heads)](
+    _merge_kernel[(num_seqs, num_kv_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         USE_PDL=is_pdl, launch_pdl=is_pdl,
     )  # fmt: skip
     return out

@@ -123,8 +123,8 @@ def test_silu_and_mul_reads_nothing_before_the_wait(pdl: bool) -> None:
 def test_the_attention_merge_triggers_after_its_wait() -> None:
     """At batch 1 the split count is 16 (132 SMs, 4 kv heads, 1024 positions planned)."""
     num_splits, _ = triton_attention.plan_splits(1, 4, 1024, 132)
-    constexprs = {"NUM_HEADS": 32, "NUM_SPLITS": num_splits, "SPLITS_PAD": 16, "HEAD_DIM": 128,
-                  "USE_PDL": True}  # fmt: skip
+    constexprs = {"NUM_HEADS": 32, "NUM_SPLITS": num_splits, "GROUP": 8, "GROUP_PAD": 16,
+                  "HEAD_DIM": 128, "USE_PDL": True}  # fmt: skip
     kernel = _compile(triton_attention._merge_kernel, MERGE_ARGS, constexprs, num_warps=4)
     _check_pdl(kernel, True)
 

@@ -102,6 +102,38 @@ def test_decode_kernel_in_the_triton_interpreter(programs_per_sm: int, tickets) 
     assert result.stdout.count("\n") == len(INTERPRETER_CASES), result.stdout
 
 
+def test_the_merge_kernel_and_the_tickets_give_the_same_bits() -> None:
+    """Both merge with ``_merge_group``: the same output to the bit, for several split counts,
+    a group padded past its heads (6 of 16 rows) and empty splits; the tickets back at 0."""
+    pytest.importorskip("triton")
+    script = (
+        "import dataclasses, torch\n"
+        "from dormant.layers.attention import new_merge_tickets\n"
+        "from dormant.layers.triton_attention import paged_decode_attention\n"
+        "from tests.layers.attention_metadata import build_attention_metadata\n"
+        "torch.manual_seed(0)\n"
+        "seq_lens = torch.tensor([1, 40, 129, 300], dtype=torch.int32)\n"
+        "tables = torch.randperm(4 * 20).view(4, 20).int()\n"
+        "cache = torch.randn(2, 80, 16, 2, 16)\n"
+        "query = torch.randn(4, 12, 16)\n"
+        "meta = build_attention_metadata(tables, seq_lens, torch.ones(4, dtype=torch.int32), 16)\n"
+        "meta = dataclasses.replace(meta, max_seq_len=320)\n"
+        "one = torch.tensor(1.0)\n"
+        "tickets = new_merge_tickets()\n"
+        "for splits in (2, 3, 5):\n"
+        "    kernel = paged_decode_attention(query, cache, meta, 0.25, one, one,\n"
+        "                                    wanted_splits=splits)\n"
+        "    fused = paged_decode_attention(query, cache, meta, 0.25, one, one,\n"
+        "                                   wanted_splits=splits, tickets=tickets)\n"
+        "    assert torch.equal(kernel, fused), (splits, (kernel - fused).abs().max())\n"
+        "    assert int(tickets.count_nonzero()) == 0\n"
+        "    print('same', splits)\n"
+    )
+    result = run_interpreted(script, timeout_s=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("same") == 3, result.stdout
+
+
 def test_a_batch_that_fills_the_gpu_is_not_split() -> None:
     """A 64-position split writes a float32 partial per query head, 12 % of the KV it reads at
     a group of 4 (and a merge reads it back): a batch whose (sequence, kv head) pairs fill the
@@ -118,3 +150,18 @@ def test_a_batch_that_fills_the_gpu_is_not_split() -> None:
     for num_seqs in (1, 7, 64, 300):
         splits, length = plan_splits(num_seqs, 2, 3000, 132)
         assert length % 64 == 0 and splits * length >= 3000 > (splits - 1) * length
+
+
+@pytest.mark.parametrize("tickets", [torch.zeros(64, dtype=torch.int64), torch.zeros(64, 1)])
+def test_tickets_of_another_dtype_are_refused_before_any_launch(tickets) -> None:
+    pytest.importorskip("triton")
+    from dormant.layers.triton_attention import paged_decode_attention
+    from tests.layers.attention_metadata import build_attention_metadata
+
+    seq_lens = torch.tensor([5, 9], dtype=torch.int32)
+    meta = build_attention_metadata(torch.arange(4).view(2, 2).int(), seq_lens,
+                                    torch.ones(2, dtype=torch.int32), 16)  # fmt: skip
+    cache, one = torch.randn(2, 4, 16, 2, 16), torch.tensor(1.0)
+    with pytest.raises(ValueError, match="int32 merge tickets"):
+        paged_decode_attention(torch.randn(2, 4, 16), cache, meta, 0.25, one, one, tickets=tickets)
+    assert int(tickets.count_nonzero()) == 0

@@ -201,3 +201,27 @@ def test_loading_survives_parameters_replaced_without_attributes(llama: Path) ->
     reference = load_dormant(llama)
     for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def _qwen3_dict() -> dict:
+    return {**qwen3_config(tie_word_embeddings=False).to_dict(),
+            "architectures": ["Qwen3ForCausalLM"]}  # fmt: skip
+
+
+def test_the_merge_tickets_are_zeroed_runtime_buffers_not_weights() -> None:
+    """Each attention layer's merge tickets (layers/triton_attention.py) must be 0 before the
+    first launch: materialized uninitialised (as the engine adopts buffers), ``init_buffers``
+    zeroes them. They are no checkpoint tensor, and no two layers share them."""
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_dict(_qwen3_dict()))
+    materialize(model, torch.device("cpu"))
+    layers = model.attention_layers()
+    for layer in layers:
+        layer.merge_tickets.fill_(7)  # what an uninitialised buffer may hold
+    model.init_buffers()
+    for layer in layers:
+        assert layer.merge_tickets.dtype == torch.int32
+        assert int(layer.merge_tickets.count_nonzero()) == 0
+    assert not any("merge_tickets" in name for name in model.expected_weight_shapes())
+    assert not any("merge_tickets" in name for name in model.state_dict())
+    assert len({layer.merge_tickets.data_ptr() for layer in layers}) == len(layers)
