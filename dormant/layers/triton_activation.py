@@ -15,8 +15,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dormant.layers.triton_pdl import pdl_for
 
-# PDL at one row (a batch-1 decode step), and at more (larger decode batches, prefill). Off until
-# benchmarks/dense_decode_sweep.py measures them on the H200.
+# PDL at one row (a batch-1 decode step: not measured), and at more (larger decode batches,
+# prefill: with the other kernels' knobs it saved under 1 % of the dense layer at batch 64-256 in
+# benchmarks/dense_decode_sweep.py on the H200, results/2026-12-03-run2-dense-sweep.jsonl).
 USE_PDL_AT_BATCH_1 = False
 USE_PDL_ABOVE_BATCH_1 = False
 

@@ -23,8 +23,9 @@ from dormant.layers.triton_pdl import pdl_for
 # One row only (a batch-1 decode step): launch with PDL (triton_pdl.py). On since the engine's GPU
 # tests passed with it (2026-12-02f run 1); benchmarks/moe.py's knobs-off child turns it off.
 USE_PDL_AT_BATCH_1 = True
-# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off until
-# benchmarks/dense_decode_sweep.py measures it at batch 64-256 on the H200.
+# Every other launch (more than one row: larger decode batches, prefill) with PDL too. Off: in
+# benchmarks/dense_decode_sweep.py on the H200 it saved under 1 % of the dense layer at batch
+# 64-256 (results/2026-12-03-run2-dense-sweep.jsonl).
 USE_PDL_ABOVE_BATCH_1 = False
 
 

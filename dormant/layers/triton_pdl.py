@@ -10,8 +10,8 @@ waits in ``gdc_wait`` until that kernel has finished, its writes visible.
 Each kernel module has two knobs, read at each call (so at graph capture): ``USE_PDL_AT_BATCH_1``
 for launches over one row (a batch-1 decode step) and ``USE_PDL_ABOVE_BATCH_1`` for every other
 launch (larger decode batches, prefill); ``pdl_for`` picks between them. Behind a cuBLAS GEMM
-(launched plainly, never triggering early) a PDL kernel still launches while the GEMM's last
-programs drain; behind another PDL kernel it is resident before that kernel ends.
+(launched plainly, never triggering early) a PDL kernel can launch only as the GEMM's programs
+exit, so most of the gain is behind another PDL kernel, which triggers right after its wait.
 
 The rules a PDL kernel keeps (the hardware checks none of them):
 - before ``gdc_wait`` it reads only what no kernel of the step writes (weights), or what a
