@@ -114,10 +114,16 @@ class SeqInput:
 
 @dataclass(frozen=True, slots=True)
 class StepInput:
+    """A step's rows. ``previous_rows`` (the engine's async scheduling: a decode step queued
+    before the host read the launch before it) gives, per row, the row of the previous launch
+    whose last sampled token is this row's input: its ``token_ids`` are then a placeholder,
+    and the worker gathers the real tokens on the device. None: every row's tokens are here."""
+
     seqs: tuple[SeqInput, ...]
     is_prefill: bool
     block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks
     has_forks: bool = False  # some row is a fork row (a flag, so a step need not scan rows)
+    previous_rows: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
 from dormant.core.step_input import StepInput
 from dormant.core.step_output import StepOutput
+from dormant.worker.pending_step import PendingStep
 from dormant.worker.worker import Worker, create_worker
 
 
@@ -40,6 +41,11 @@ class UniprocExecutor:
 
     def execute_multi_step(self, step: StepInput) -> StepOutput:
         return self.worker.execute_multi_step(step)
+
+    def launch(self, step: StepInput, multi_step: bool = False) -> PendingStep:
+        """Queues the step without waiting for its results (``Worker.launch``): an in-process
+        rank's steps can overlap the engine's host work, which async scheduling uses."""
+        return self.worker.launch(step, multi_step)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -100,13 +100,16 @@ class DecodeGraphs:
     def padded_size(self, num_seqs: int) -> int | None:
         return next((bs for bs in self.batch_sizes if bs >= num_seqs), None)
 
-    def load_multi_step(self, step: StepInput, bs: int) -> None:
+    def load_multi_step(
+        self, step: StepInput, bs: int, previous_tokens: torch.Tensor | None = None
+    ) -> None:
         """Writes what a replay of the ``bs``-row multi-step graph reads for ``step`` (a
         decode batch of at most ``bs`` rows, each ``graph_sampling.is_unfiltered``): the
         step's input buffers, every step's sampling rows, padded to ``bs``, and the top
-        logprobs its rows ask for (at most ``num_top_logprobs``: ``fits_multi_step_graph``)."""
+        logprobs its rows ask for (at most ``num_top_logprobs``: ``fits_multi_step_graph``).
+        ``previous_tokens``: as ``InputBuffers.load`` takes them."""
         assert self.sampling is not None and self.live_top is not None, "num_steps is 1"
-        self.inputs.load(step, pad_to=bs)
+        self.inputs.load(step, pad_to=bs, previous_tokens=previous_tokens)
         self.sampling.load(step.seqs, bs)
         asked = {int(s.params.logprobs) for s in step.seqs if s.params.logprobs is not None}
         cap = self.num_top_logprobs

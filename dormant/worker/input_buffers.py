@@ -16,6 +16,12 @@ whole every step.
 | seq_lens         | int32 | [max_num_seqs]                | context length after the step      |
 | query_start_loc  | int32 | [max_num_seqs + 1]            | cumulative new-token counts        |
 | block_tables     | int32 | [max_num_seqs, max_blocks]    | KV block ids; padding is never read|
+| previous_rows    | int64 | [max_num_seqs]                | a row of the last launch (below)   |
+| last_tokens      | int64 | [max_num_seqs]                | the last launch's sampled tokens   |
+
+A step with ``previous_rows`` (the engine's async scheduling) has decode rows whose input
+tokens the host does not know yet: row ``i`` takes the last token the previous launch sampled
+for its row ``previous_rows[i]``, gathered on the device after the host's copies.
 """
 
 from __future__ import annotations
@@ -69,24 +75,50 @@ class InputBuffers:
             for name, (shape, dtype) in specs.items()
         }
         self._host_np = {name: t.numpy() for name, t in self._host.items()}
+        # Outside ``device_buffers``: written only by the steps that use them.
+        self.previous_rows, self.last_tokens = (
+            t.zero_() for t in mm.empty_many([((max_seqs,), torch.int64)] * 2, tag=RUNTIME)
+        )
+        self._host_previous_rows = host_staging(
+            torch.zeros((max_seqs,), dtype=torch.int64, pin_memory=pin)
+        )
         # What each host block-table row holds (see _stage_block_tables); rows start unknown.
         self._staged_tables: list[tuple[int, ...] | None] = [None] * max_seqs
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device buffer (what the pointer guard watches)."""
-        return list(self.device_buffers.values())
+        return [*self.device_buffers.values(), self.previous_rows, self.last_tokens]
 
-    def load(self, step: StepInput, pad_to: int | None = None) -> AttentionMetadata:
+    def keep_last_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Copies a launch's sampled tokens (int64 [n], a temporary) into ``last_tokens``, so
+        the next launch may take its input tokens from there; returns that prefix. A device
+        copy: no tensor outside the tags outlives the step."""
+        kept = self.last_tokens[: tokens.shape[0]]
+        kept.copy_(tokens)
+        return kept
+
+    def load(
+        self,
+        step: StepInput,
+        pad_to: int | None = None,
+        previous_tokens: torch.Tensor | None = None,
+    ) -> AttentionMetadata:
         """Stages ``step`` on the host, copies it into the device buffers, returns the metadata.
 
         ``pad_to`` (decode only) fills rows ``num_seqs .. pad_to`` with a harmless dummy
         sequence: one token at position 0 whose KV goes to the reserved null block, so a graph
         captured for ``pad_to`` sequences can run a smaller batch.
+        ``previous_tokens`` (device, one per row of the previous launch) are what rows take as
+        their input tokens when ``step.previous_rows`` is set (a decode step, one entry per
+        row: ``StepInput``): their host token ids are placeholders. A row index outside them
+        raises ``ValueError`` before anything is written.
         Precondition: the previous step's copies have completed (the runner synchronizes when it
         reads the sampled tokens), so the host staging arrays may be overwritten.
         """
         seqs = step.seqs
         num_seqs = len(seqs)
+        if step.previous_rows is not None:
+            self._check_previous_rows(step.previous_rows, previous_tokens, num_seqs)
         h = self._host_np
         token_ids = [s.token_ids for s in seqs]
         query_lens = np.fromiter(map(len, token_ids), np.int64, num_seqs)
@@ -129,6 +161,9 @@ class InputBuffers:
                 continue
             n = num_tokens if name in _TOKEN_BUFFERS else counts[name]
             device_buffer[:n].copy_(self._host[name][:n], non_blocking=True)
+        if step.previous_rows is not None:
+            assert previous_tokens is not None  # _check_previous_rows
+            self._take_previous_tokens(step.previous_rows, previous_tokens, num_seqs)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
             block_tables=self.block_tables[:rows, :width],
@@ -137,6 +172,32 @@ class InputBuffers:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
+
+    @staticmethod
+    def _check_previous_rows(
+        rows: Sequence[int], previous: torch.Tensor | None, num_seqs: int
+    ) -> None:
+        """Raises ``ValueError``, before anything is written, unless ``rows`` has one entry per
+        row, each a row of the previous launch's ``previous`` tokens."""
+        array = np.asarray(rows, np.int64)
+        if array.shape != (num_seqs,):
+            raise ValueError(f"previous_rows has {array.size} entries for {num_seqs} rows")
+        num_previous = 0 if previous is None else previous.shape[0]
+        if array.size and (array.min() < 0 or array.max() >= num_previous):
+            raise ValueError(
+                f"previous_rows range over {int(array.min())}..{int(array.max())}, but the "
+                f"last launch sampled {num_previous} rows: each row must name one of them"
+            )
+
+    def _take_previous_tokens(
+        self, rows: Sequence[int], previous: torch.Tensor, num_seqs: int
+    ) -> None:
+        """``input_ids[i] = previous[rows[i]]`` on the device, after the input copies (a decode
+        step: token ``i`` is row ``i``'s)."""
+        self._host_previous_rows.numpy()[:num_seqs] = rows
+        device_rows = self.previous_rows[:num_seqs]
+        device_rows.copy_(self._host_previous_rows[:num_seqs], non_blocking=True)
+        torch.index_select(previous, 0, device_rows, out=self.input_ids[:num_seqs])
 
     def _stage_block_tables(self, block_tables: list[tuple[int, ...]]) -> int:
         """Writes each row's block table into the host staging table; returns the widest.

@@ -8,6 +8,12 @@ sampled alike); the driver drops that token. Both paths read the same static inp
 step ends in one event-guarded device-to-host copy of its tokens and logprobs together
 (``HostCopy``); ``StepOutput`` is built from the host copy after its event.
 
+A step is *launched* (``launch``, ``launch_multi_step``) and read back later
+(``PendingStep.result``; ``execute`` does both at once), so the engine may queue step N+1 before
+it reads step N (its async scheduling, ``worker/pending_step.py``). A decode row of step N+1
+then takes its input token from step N's last sampled tokens on the device
+(``StepInput.previous_rows``), which the host has not read yet.
+
 Sampling after the logits, in vLLM's order (``worker/sampler.py``, ``worker/penalties.py``):
 raw logprobs → bad words, ``min_tokens``, penalties → greedy argmax, or temperature, min-p,
 top-k, top-p and a seeded draw → processed logprobs → gather the sampled token's and the top-k.
@@ -38,15 +44,10 @@ from dormant.worker.block_copy import BlockCopier
 from dormant.worker.cuda_graphs import DecodeGraphs
 from dormant.worker.graph_sampling import is_unfiltered
 from dormant.worker.input_buffers import InputBuffers, Staging
-from dormant.worker.logprobs import (
-    HostCopy,
-    packed_logprobs,
-    packed_width,
-    trim_top,
-)
+from dormant.worker.logprobs import packed_logprobs, packed_width, trim_top
 from dormant.worker.penalties import LogitsProcessors
+from dormant.worker.pending_step import HostCopies, PendingStep, StagingFence
 from dormant.worker.sampler import SamplingTensors, sample_and_process
-from dormant.worker.step_readback import read_step_output
 
 # The fused multi-step graph carries the sampled token's logprob and rank and at most this many
 # top logprobs (fewer when max_logprobs is smaller); a batch asking for more runs single steps.
@@ -77,7 +78,11 @@ class ModelRunner:
         )
         self._penalty_staging = Staging(self.device)
         self._prompt_staging = Staging(self.device)
-        self._host_copy = HostCopy(self.device)
+        self._host_copies = HostCopies(self.device)
+        self._staging_fence = StagingFence(self.device)
+        # The last launch's last sampled token per row, on the device: what the next launch's
+        # rows with ``previous_rows`` take as their input tokens (None before any launch).
+        self._last_tokens: torch.Tensor | None = None
         self._fork_staging = Staging(self.device)
         self.block_copier = BlockCopier(self.device)  # a draft registers its caches too
         layers = model.attention_layers()
@@ -101,10 +106,19 @@ class ModelRunner:
         with torch.inference_mode():
             self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """Computes ``step``: one sampled token per sequence, its logprobs where asked, and the
         prompt logprobs of first prefills that ask. One device-to-host copy."""
+        return self.launch(step).result()
+
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
+        """``launch_multi_step(step)``'s results (see there)."""
+        return self.launch_multi_step(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> PendingStep:
+        """Queues ``step`` (as ``execute`` computes it) and returns without waiting for it."""
+        self._staging_fence.wait()
         num_seqs = len(step.seqs)
         graphs = None if self.is_logits_patched else self.graphs
         padded = None
@@ -112,7 +126,7 @@ class ModelRunner:
             padded = graphs.padded_size(num_seqs)
         prompt = None
         if padded is not None:
-            self.inputs.load(step, pad_to=padded)
+            self.inputs.load(step, pad_to=padded, previous_tokens=self._last_tokens)
             captured = self.graphs.full[padded]  # type: ignore[union-attr]
             captured.graph.replay()
             logits = captured.output[:num_seqs]
@@ -120,18 +134,19 @@ class ModelRunner:
             logits, prompt = self._eager(step)
         self.block_copier.copy(step.block_copies)
         tokens, logprobs = self._sample(logits, step.seqs)
+        self._staging_fence.record()
+        self._last_tokens = self.inputs.keep_last_tokens(tokens)
         parts = [tokens, *(p for p in (logprobs, prompt) if p is not None)]
-        self._host_copy.start(parts)
-        return self._step_output(step.seqs, 1, logprobs, prompt)
+        return self._start_copy(parts, step.seqs, 1, logprobs, prompt)
 
     @torch.inference_mode()
-    def execute_multi_step(self, step: StepInput) -> StepOutput:
-        """``num_steps`` decode steps per sequence, with their logprobs where asked: the
+    def launch_multi_step(self, step: StepInput) -> PendingStep:
+        """Queues ``num_steps`` decode steps per sequence, with their logprobs where asked: the
         tokens and logprobs of ``num_steps`` single ``execute`` steps, each token fed back.
 
         The fused multi-step graph runs them in one replay when the batch fits it (see
         ``fits_multi_step_graph``: greedy rows and unfiltered random rows); otherwise they run
-        as single steps, with the same results.
+        as single steps, with the same results, read back before this returns.
         Preconditions: a decode step whose block tables already cover positions up to
         ``start_position + num_steps - 1``, within ``max_model_len``.
         """
@@ -148,18 +163,21 @@ class ModelRunner:
                 f"is_prefill={step.is_prefill}, has_forks={step.has_forks}"
             )
         if self.is_logits_patched or not self.fits_multi_step_graph(step.seqs):
-            return self.execute_single_steps(step, self.graphs.num_steps)
-        self.graphs.load_multi_step(step, padded)
+            return PendingStep.done(self.execute_single_steps(step, self.graphs.num_steps))
+        self._staging_fence.wait()
+        self.graphs.load_multi_step(step, padded, previous_tokens=self._last_tokens)
+        self._staging_fence.record()
         captured = self.graphs.multi_step[padded]
         captured.graph.replay()
         num_seqs = len(step.seqs)
         tokens = captured.output[:, :num_seqs]
+        self._last_tokens = tokens[-1]  # the graph's own output buffer, in ``runtime``
         logprobs, num_top = None, _max_logprobs(step.seqs, self.vocab_size)
         if num_top is not None:
             assert captured.logprobs is not None
             logprobs = trim_top(captured.logprobs[:, :num_seqs], num_top)
-        self._host_copy.start([tokens, *([] if logprobs is None else [logprobs])])
-        return self._step_output(step.seqs, self.graphs.num_steps, logprobs, None)
+        parts = [tokens, *([] if logprobs is None else [logprobs])]
+        return self._start_copy(parts, step.seqs, self.graphs.num_steps, logprobs, None)
 
     @property
     def is_logits_patched(self) -> bool:
@@ -195,8 +213,10 @@ class ModelRunner:
         """``num_steps`` decode steps, one ``execute`` each, feeding each token back: what the
         fused graph computes, for batches it does not fit. Same preconditions."""
         seqs, per_step = step.seqs, []
+        previous_rows = step.previous_rows  # the first step's input tokens may be on the device
         for _ in range(num_steps):
-            result = self.execute(StepInput(seqs, is_prefill=False)).seqs
+            single = StepInput(seqs, is_prefill=False, previous_rows=previous_rows)
+            result, previous_rows = self.execute(single).seqs, None
             per_step.append(result)
             seqs = tuple(s.advanced(o.token_ids[0]) for s, o in zip(seqs, result, strict=True))
         merged = []
@@ -231,7 +251,7 @@ class ModelRunner:
         """The logits of each sequence's last position (a fork row's: its leader's), and packed
         prompt logprobs of the rows that ask for them (None when none does)."""
         computing, logits_rows = step.without_forks() if step.has_forks else (step, None)
-        meta = self.inputs.load(computing)
+        meta = self.inputs.load(computing, previous_tokens=self._last_tokens)
         num_tokens, num_seqs = computing.num_tokens, len(computing.seqs)
         with forward_context(meta):
             hidden = self.model(
@@ -267,20 +287,19 @@ class ModelRunner:
         empty = torch.empty((0, packed_width(num_top)), dtype=torch.int32, device=self.device)
         return torch.cat([empty, *packs])
 
-    def _step_output(
+    def _start_copy(
         self,
+        parts: list[torch.Tensor],
         seqs: SequenceOf[SeqInput],
         num_steps: int,
         logprobs: torch.Tensor | None,
         prompt: torch.Tensor | None,
-    ) -> StepOutput:
-        """Waits for the step's host copy and reads it back (``step_readback``): tokens
-        [num_steps, n], then the packed logprobs [num_steps, n, w], then the packed prompt
-        logprobs."""
-        host = self._host_copy.wait()
+    ) -> PendingStep:
+        """Starts the step's host copy (``step_readback``'s layout: tokens [num_steps, n], then
+        the packed logprobs [num_steps, n, w], then the packed prompt logprobs)."""
         width = None if logprobs is None else logprobs.shape[-1]
         prompt_width = None if prompt is None else prompt.shape[-1]
-        return read_step_output(host, seqs, num_steps, width, prompt_width)
+        return self._host_copies.start(parts, seqs, num_steps, (width, prompt_width))
 
 
 def _num_logprobs(requested: int | bool | None, vocab_size: int) -> int:

@@ -39,6 +39,7 @@ from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS
 from dormant.worker.kv_cache import allocate_kv_cache, kv_cache_spec, num_local_blocks
 from dormant.worker.model_runner import ModelRunner
 from dormant.worker.mtp_draft import MTPDraftModel
+from dormant.worker.pending_step import PendingStep
 from dormant.worker.rank_sleep import RankSleep, captures_collectives
 from dormant.worker.refit import Refitter, TensorPayload, check_awake
 from dormant.worker.refit_record import RefitRecord, RefitReport
@@ -223,6 +224,20 @@ class Worker:
         if self._spec_step is not None:
             return self._spec_step.execute(step)
         return self.runner.execute(step)
+
+    def launch(self, step: StepInput, multi_step: bool = False) -> PendingStep:
+        """Queues ``step`` (``execute``, or ``execute_multi_step`` when ``multi_step``) and
+        returns before its results are on the host: the engine's async scheduling. With
+        speculative decoding, whose steps read their drafts back on the way, it runs to its
+        results, and a step after one in flight (``previous_rows``) raises ``ValueError``."""
+        if self._spec_step is not None:
+            if step.previous_rows is not None:
+                raise ValueError("speculative decoding's steps cannot be queued ahead")
+            run = self.execute_multi_step if multi_step else self.execute
+            return PendingStep.done(run(step))
+        if multi_step:
+            return self.runner.launch_multi_step(step)
+        return self.runner.launch(step)
 
     def sleep(
         self, level: int, tags: Sequence[str] | None = None, release_context: bool = False

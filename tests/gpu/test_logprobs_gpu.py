@@ -167,9 +167,9 @@ def test_sampling_with_logprobs_and_penalties_never_syncs(make_worker) -> None:
         with torch.inference_mode():
             tokens, packed = runner._sample(logits, seqs)
             assert packed is not None
-            runner._host_copy.start([tokens, packed])
+            pending = runner._start_copy([tokens, packed], seqs, 1, packed, None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    host = runner._host_copy.wait()
-    assert host.shape[0] == 4 + packed.numel()
-    assert all(t not in (7, 9, 11) for t in host[:4].tolist())
+    output = pending.result()
+    assert len(output.seqs) == 4 and all(s.logprobs is not None for s in output.seqs)
+    assert all(s.token_ids[0] not in (7, 9, 11) for s in output.seqs)

@@ -116,3 +116,29 @@ def test_rows_that_grow_get_their_new_blocks_and_others_are_rewritten(
     check(buffers, same)
     check(buffers, same)  # the very tuples again: every row hits
     check(buffers, decode((9, [7, 2, 20, 24, 25]), (8, d), (4, [*c, 22, 23]), (5, [30, 31])))
+
+
+def test_rows_after_a_launch_take_its_tokens_on_the_device(buffers: InputBuffers) -> None:
+    """Async scheduling: rows with ``previous_rows`` gather their input tokens from the last
+    launch's (``keep_last_tokens``); the host's placeholders are overwritten."""
+    last = buffers.keep_last_tokens(torch.tensor([40, 41, 42]))
+    step = decode((6, [1, 2]), (9, [3, 4, 5]))
+    after = StepInput(step.seqs, is_prefill=False, previous_rows=(2, 0))
+    buffers.load(after, pad_to=4, previous_tokens=last)
+    assert buffers.input_ids[:2].tolist() == [42, 40]
+    assert buffers.input_ids[2:4].tolist() == [0, 0]  # padding rows keep their dummy token
+    assert last.tolist() == [40, 41, 42]
+
+
+@pytest.mark.parametrize("rows", [(0, 3), (0,), (-1, 0)], ids=["past-end", "short", "negative"])
+def test_bad_previous_rows_are_refused_before_anything_is_written(
+    buffers: InputBuffers, rows: tuple[int, ...]
+) -> None:
+    last = buffers.keep_last_tokens(torch.tensor([40, 41, 42]))
+    check(buffers, decode((6, [1, 2]), (9, [3, 4, 5])))
+    before = {name: t.clone() for name, t in buffers.device_buffers.items()}
+    step = decode((7, [1, 2]), (10, [3, 4, 5]))
+    with pytest.raises(ValueError, match="previous_rows"):
+        buffers.load(StepInput(step.seqs, False, previous_rows=rows), previous_tokens=last)
+    for name, tensor in buffers.device_buffers.items():
+        assert torch.equal(tensor, before[name]), name
