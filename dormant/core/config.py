@@ -94,6 +94,11 @@ class EngineConfig:
     # (ncclCommSuspend, NCCL >= 2.29.7), "recreate" (its process group destroyed and made
     # again at wake; eager only), or "off" (``distributed/comm_sleep.py``)
     comm_sleep: CommSleep = "off"
+    # vLLM's: queue the next decode call before the host reads the one in flight, so the device
+    # computes while the host applies tokens (``engine/successor.py``). None: on where it
+    # applies (one in-process rank, no speculative decoding), as vLLM's None; the tokens are
+    # those of synchronous steps either way.
+    async_scheduling: bool | None = None
 
     @classmethod
     def create(
@@ -159,6 +164,15 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or "
                 "'external_launcher'"
             )
+        if self.async_scheduling and not self.overlaps_steps:
+            raise UnsupportedOptionError(
+                "async_scheduling=True overlaps the steps of one in-process rank without "
+                "speculative decoding; this engine has "
+                f"tensor_parallel_size={self.tensor_parallel_size}, distributed_executor_backend="
+                f"{self.distributed_executor_backend!r}, speculative_config="
+                f"{'set' if self.speculative_config else None}: leave async_scheduling unset "
+                "(on where it applies) or set it False"
+            )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(
                 f"max_logprobs must be an int >= 0, or -1 for the vocabulary size; got "
@@ -178,6 +192,19 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether async scheduling applies: on unless turned off, for one rank in this process
+        (``UniprocExecutor``) without speculative decoding."""
+        in_process = self.distributed_executor_backend in (None, "uni")
+        return (
+            self.async_scheduling is not False
+            and in_process
+            and self.placement_group is None
+            and self.tensor_parallel_size == 1
+            and self.speculative_config is None
+        )
 
     @property
     def cache_dtype(self) -> torch.dtype:

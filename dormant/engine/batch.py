@@ -6,8 +6,22 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
+from dormant.core.sampling_params import SamplingParams
 from dormant.core.step_input import SeqInput, StepInput
 from dormant.engine.sequence import Sequence
+
+# A successor row's input token before the worker gathers the real one (``previous_rows``).
+PLACEHOLDER_TOKEN_ID = 0
+
+
+def needs_output_tokens(params: SamplingParams) -> bool:
+    """Whether computing a request's next token needs its output tokens so far: penalties,
+    and bad words of several tokens (``SeqInput.output_token_ids``)."""
+    return (
+        (params.presence_penalty, params.frequency_penalty) != (0.0, 0.0)
+        or params.repetition_penalty != 1.0
+        or any(len(word) > 1 for word in params.bad_words_token_ids or ())
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +114,8 @@ class ScheduledBatch:
     is_speculative: bool = False
     fork_of: tuple[int | None, ...] = ()  # per row; () when no row is a fork row
     block_copies: tuple[tuple[int, int], ...] = ()
+    previous_rows: tuple[int, ...] = ()  # per row of a successor; () otherwise
+    lead: int = 0  # a successor's: tokens each row gets from the batch in flight before it
 
     @classmethod
     def of(
@@ -138,9 +154,16 @@ class ScheduledBatch:
         )
 
     @classmethod
-    def decodes(cls, seqs: SequenceOf[Sequence], num_steps: int = 1) -> ScheduledBatch:
+    def decodes(
+        cls,
+        seqs: SequenceOf[Sequence],
+        num_steps: int = 1,
+        previous_rows: tuple[int, ...] = (),
+        lead: int = 0,
+    ) -> ScheduledBatch:
         """``of([(seq, 1) for seq in seqs], num_steps)`` for rows known to be decodes (each
-        computes its sequence's newest token only), without checking each row again."""
+        computes its sequence's newest token only), without checking each row again; with
+        ``previous_rows``, of a successor (``engine/successor.py``)."""
         return cls(
             seqs=tuple(seqs),
             num_new_tokens=(1,) * len(seqs),
@@ -148,6 +171,8 @@ class ScheduledBatch:
             num_scheduled_tokens=len(seqs) * num_steps,
             num_prefill_tokens=0,
             num_steps=num_steps,
+            previous_rows=previous_rows,
+            lead=lead,
         )
 
     def num_drafts_of(self, row: int) -> int:
@@ -184,13 +209,37 @@ class ScheduledBatch:
         ``eos_token_ids`` are the engine's (model and tokenizer): ``min_tokens`` masks them
         with ``stop_token_ids`` until a request has that many outputs, unless ``ignore_eos``.
         Each feature's data is sent only by the requests that use it (``core/step_input.py``).
+
+        A successor (``previous_rows``) is planned before the batch in flight returns its
+        ``lead`` tokens per row: each row computes at ``lead`` positions past its sequence's
+        newest token, from the token the worker gathers there (``StepInput.previous_rows``).
         """
+        if self.previous_rows:
+            seq_inputs = tuple(self._successor_input(seq, eos_token_ids) for seq in self.seqs)
+            return StepInput(seq_inputs, is_prefill=False, previous_rows=self.previous_rows)
         fork_of = self.fork_of or (None,) * self.num_seqs
         seq_inputs = tuple(
             self._seq_input(seq, n, self.num_drafts_of(row), eos_token_ids, fork_of[row])
             for row, (seq, n) in enumerate(zip(self.seqs, self.num_new_tokens, strict=True))
         )
         return StepInput(seq_inputs, self.is_prefill, self.block_copies, bool(self.fork_of))
+
+    def _successor_input(self, seq: Sequence, eos_token_ids: frozenset[int]) -> SeqInput:
+        """A successor row's input: what ``_seq_input`` sends for a decode of ``seq`` once it
+        has its ``lead`` more tokens, but for the token itself and the outputs (none of its
+        features needs them: ``needs_output_tokens``)."""
+        params = seq.params
+        num_outputs = seq.num_output_tokens + self.lead
+        return SeqInput(
+            token_ids=(PLACEHOLDER_TOKEN_ID,),
+            start_position=seq.num_tokens - 1 + self.lead,
+            block_table=seq.block_table_tuple(),
+            params=params,
+            seed=seq.seed,
+            num_output_tokens=num_outputs,
+            masked_stop_token_ids=_masked_stop_token_ids(params, num_outputs, eos_token_ids),
+            bad_words_token_ids=_bad_words(params),
+        )
 
     def _seq_input(
         self,
@@ -209,18 +258,7 @@ class ScheduledBatch:
         draft_prefix: tuple[int, ...] = ()
         if self.is_speculative:
             draft_prefix = tuple(seq.token_ids_between(seq.num_draft_computed_tokens, start))
-        bad_words: tuple[tuple[int, ...], ...] = ()
-        if params.bad_words_token_ids:
-            bad_words = tuple(tuple(word) for word in params.bad_words_token_ids)
-        is_penalised = (params.presence_penalty, params.frequency_penalty) != (0.0, 0.0)
         is_repetition_penalised = params.repetition_penalty != 1.0
-        needs_outputs = (
-            is_penalised or is_repetition_penalised or any(len(w) > 1 for w in bad_words)
-        )
-        masked: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
-            eos = () if params.ignore_eos else sorted(eos_token_ids)
-            masked = tuple(dict.fromkeys([*eos, *(params.stop_token_ids or ())]))
         return SeqInput(
             token_ids=token_ids,
             start_position=start,
@@ -228,10 +266,12 @@ class ScheduledBatch:
             params=params,
             seed=seq.seed,
             num_output_tokens=seq.num_output_tokens,
-            output_token_ids=tuple(seq.output_token_ids) if needs_outputs else None,
+            output_token_ids=(tuple(seq.output_token_ids) if needs_output_tokens(params) else None),
             prompt_token_ids=seq.prompt_token_ids if is_repetition_penalised else None,
-            masked_stop_token_ids=masked,
-            bad_words_token_ids=bad_words,
+            masked_stop_token_ids=_masked_stop_token_ids(
+                params, seq.num_output_tokens, eos_token_ids
+            ),
+            bad_words_token_ids=_bad_words(params),
             # The first prefill (a recompute has outputs), whole and uncached (the scheduler
             # neither chunks it nor gives it cached blocks): every prompt position is here.
             compute_prompt_logprobs=(
@@ -241,3 +281,20 @@ class ScheduledBatch:
             draft_prefix_token_ids=draft_prefix,
             fork_of=fork_of,
         )
+
+
+def _masked_stop_token_ids(
+    params: SamplingParams, num_outputs: int, eos_token_ids: frozenset[int]
+) -> tuple[int, ...]:
+    """What ``min_tokens`` masks for the next token after ``num_outputs`` outputs: the EOS ids
+    (unless ``ignore_eos``) and the stop token ids, while there are fewer than it asks."""
+    if num_outputs >= params.min_tokens:
+        return ()
+    eos = () if params.ignore_eos else sorted(eos_token_ids)
+    return tuple(dict.fromkeys([*eos, *(params.stop_token_ids or ())]))
+
+
+def _bad_words(params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+    if not params.bad_words_token_ids:
+        return ()
+    return tuple(tuple(word) for word in params.bad_words_token_ids)

@@ -118,6 +118,9 @@ class EngineLoop:
         while not self._is_stopped:
             self._resolve_drain_waiters()  # before blocking: a drain may just have ended
             self._run_commands(block=not self._can_step())
+            drained = self.engine.pop_drained_outputs()  # a command completed calls in flight
+            if drained:
+                self.requests.deliver(drained)
             self._resolve_drain_waiters()
             if self._is_stopped or not self._can_step():  # decided again, after the commands
                 continue

@@ -26,9 +26,10 @@ Finished = Callable[[], list[RequestOutput]]  # a call that returns the requests
 
 class EngineSleep:
     """``scheduler`` returns the engine's scheduler, ``abort_all`` finishes every request
-    (``abort_request()``), ``step`` runs one engine step and ``refresh`` fetches every rank's
-    sleep state into ``control``; all are looked up at each call, as the engine's own
-    attributes would be."""
+    (``abort_request()``), ``step`` runs one engine step, ``refresh`` fetches every rank's
+    sleep state into ``control`` and ``drain`` completes the engine's calls in flight (async
+    scheduling); all are looked up at each call, as the engine's own attributes would be.
+    ``executor``'s commands drain those calls first (``engine/calls_in_flight.py``)."""
 
     def __init__(
         self,
@@ -40,10 +41,11 @@ class EngineSleep:
         abort_all: Finished,
         step: Finished,
         refresh: Callable[[], None],
+        drain: Callable[[], None],
     ) -> None:
         self.config, self.executor, self.control = config, executor, control
         self._scheduler, self._abort_all, self._step = scheduler, abort_all, step
-        self._refresh = refresh
+        self._refresh, self._drain = refresh, drain
 
     def sleep(self, level: int, mode: str, release_context: bool) -> list[RequestOutput]:
         """Sleeps every rank at ``level`` after handling in-flight requests by ``mode`` (level 0
@@ -115,7 +117,9 @@ class EngineSleep:
     def _settle_requests(self, mode: str, *, discards_kv: bool) -> list[RequestOutput]:
         """Handles in-flight requests before memory sleeps: ``abort`` finishes them, ``wait``
         runs them to completion, ``keep`` keeps them (recomputing their KV if it is about to
-        be discarded). Returns the requests that finished."""
+        be discarded). Returns the requests that finished. The calls in flight complete first,
+        so the scheduler has none when it preempts."""
+        self._drain()
         if not self._scheduler().has_unfinished:
             return []
         if mode == "abort":

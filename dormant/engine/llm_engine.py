@@ -6,6 +6,11 @@ reaches the engine as each rank's ``RankSleepState``. ``EngineSleep`` (``engine_
 carries out sleep, pause and wake, in-flight requests first, by mode. Start-up, and what the
 engine learns in it, is ``engine_start.py``.
 
+Async scheduling (``config.async_scheduling``): a step queues the next decode call before it
+reads the one in flight (``engine/successor.py``), so the device computes while the host applies
+tokens; every command to the workers first completes the calls in flight
+(``engine/calls_in_flight.py``: the drain rule).
+
 The prefix cache is never stale (DESIGN §3 invariant 10): before each schedule the engine drops
 it if any rank's weights or KV changed since (``kv_epoch.py``). ``reset_prefix_cache()`` is for
 vLLM's callers; correctness never depends on it.
@@ -22,7 +27,9 @@ import torch
 from dormant.core.commands import PUBLIC_RPC, Command
 from dormant.core.config import EngineConfig
 from dormant.core.sampling_params import SamplingParams
+from dormant.engine.batch import ScheduledBatch
 from dormant.engine.block_manager import BlockManager
+from dormant.engine.calls_in_flight import CallsInFlight, DrainingExecutor
 from dormant.engine.engine_sleep import EngineSleep
 from dormant.engine.engine_start import (
     EngineRuntime,
@@ -55,7 +62,9 @@ class LLMEngine:
         try:
             started = start_workers(self.executor)
             self.sleep_control = SleepControl(started.ranks)
-            self.refits = WeightRefits(self.executor, self._refresh_sleep_state)
+            # Every command after start-up goes through here: it drains the calls in flight.
+            self._commands = DrainingExecutor(self.executor, self._drain)
+            self.refits = WeightRefits(self._commands, self._refresh_sleep_state)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -83,14 +92,17 @@ class LLMEngine:
         )
         self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
         self.model_config = ModelConfigView.of(config)
+        self._calls = CallsInFlight(self.executor, config.overlaps_steps)
+        self._drained: list[RequestOutput] = []  # finished by calls a command drained
         self._sleep = EngineSleep(
             config,
-            self.executor,
+            self._commands,
             self.sleep_control,
             scheduler=lambda: self.scheduler,
             abort_all=lambda: self.abort_request(),
             step=lambda: self.step(),
             refresh=lambda: self._refresh_sleep_state(),
+            drain=lambda: self._drain(),
         )
         self._heap = FrozenHeap()
         self._heap.freeze()  # last: the start-up's objects are never traversed again
@@ -127,7 +139,28 @@ class LLMEngine:
         return self.outputs.pop_finished(aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Whether ``step`` has work: requests to run, a call in flight to read back, or
+        requests a drained call finished that it has yet to return."""
+        return self.scheduler.has_unfinished or bool(self._calls) or bool(self._drained)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap: the next call is queued before the host reads one. Settable
+        (benchmarks compare both on one engine): it applies from the next step on; True
+        raises ``ValueError`` where the calls cannot overlap (ranks in other processes)."""
+        return self._calls.overlaps
+
+    @async_scheduling.setter
+    def async_scheduling(self, value: bool) -> None:
+        if value and self.spec_decode_stats is not None:
+            raise ValueError("speculative decoding's steps cannot be launched ahead")
+        self._calls.overlaps = value
+
+    def pop_drained_outputs(self) -> list[RequestOutput]:
+        """The requests finished by calls that a command drained, once (the drain rule,
+        ``engine/calls_in_flight.py``); ``step`` returns them too."""
+        drained, self._drained = self._drained, []
+        return drained
 
     def request_output(self, request_id: int) -> RequestOutput | None:
         """An unfinished request as it stands (its output so far), for streaming; None once it
@@ -145,21 +178,42 @@ class LLMEngine:
         self.sleep_control.check_can_generate()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step; returns the requests that finished in it."""
-        if not self.scheduler.has_unfinished:
-            return []
-        self.check_can_generate()
-        self._kv_epoch.invalidate_if_stale()
-        batch = self.scheduler.schedule()
-        assert batch is not None
-        step = batch.step_input(self.runtime.eos_token_ids)
+        """Runs one scheduling step; returns the requests that finished in it.
+
+        With async scheduling the step reads back the call in flight (launching one first if
+        none is) and, before applying its tokens, queues the call after it where its plan
+        cannot depend on them (``Scheduler.schedule_successor``)."""
+        finished = self.pop_drained_outputs()
+        calls = self._calls
+        if not len(calls):
+            if not self.scheduler.has_unfinished:
+                return finished
+            self.check_can_generate()
+            self._kv_epoch.invalidate_if_stale()
+            batch = self.scheduler.schedule()
+            assert batch is not None
+            self._launch(batch)
+        batch, _ = calls.oldest()
+        if calls.overlaps and len(calls) == 1:
+            successor = self.scheduler.schedule_successor(batch)
+            if successor is not None:
+                self._launch(successor)
+        return finished + self._complete_oldest()
+
+    def _launch(self, batch: ScheduledBatch) -> None:
         try:
-            if batch.num_steps > 1:  # decodes: the fused multi-step graph
-                output = self.executor.execute_multi_step(step)
-            else:
-                output = self.executor.execute(step)
+            self._calls.launch(batch, batch.step_input(self.runtime.eos_token_ids))
         except BaseException:
-            self.scheduler.preempt_all()  # the step is redone from recomputed KV
+            self._discard_calls()
+            raise
+
+    def _complete_oldest(self) -> list[RequestOutput]:
+        """Reads the oldest call back and applies it; returns the requests it finished."""
+        batch, pending = self._calls.pop_oldest()
+        try:
+            output = pending.result()
+        except BaseException:
+            self._discard_calls()
             raise
         num_before = [seq.num_output_tokens for seq in batch.seqs]
         tokens = [list(seq.token_ids) for seq in output.seqs]
@@ -171,6 +225,16 @@ class LLMEngine:
         )
         self.outputs.record_step(batch.seqs, output.seqs, num_before)
         return self.outputs.pop_finished(finished)
+
+    def _discard_calls(self) -> None:
+        """After a failed call: every running sequence is redone from recomputed KV."""
+        self._calls.clear()
+        self.scheduler.preempt_all()
+
+    def _drain(self) -> None:
+        """Completes every call in flight (the drain rule); keeps what they finished."""
+        while len(self._calls):
+            self._drained += self._complete_oldest()
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
 
@@ -196,11 +260,13 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Sleeps every rank at ``level`` after handling in-flight requests by ``mode``;
         returns the requests that finished during the call (``EngineSleep.sleep``)."""
-        return self._sleep.sleep(level, mode, release_context)
+        finished = self._sleep.sleep(level, mode, release_context)
+        return self.pop_drained_outputs() + finished
 
     def pause(self, mode: str = "abort") -> list[RequestOutput]:
         """vLLM's ``pause_generation``: stops scheduling, memory untouched (``EngineSleep``)."""
-        return self._sleep.pause(mode)
+        finished = self._sleep.pause(mode)
+        return self.pop_drained_outputs() + finished
 
     def resume(self) -> None:
         """vLLM's ``resume_generation``: scheduling runs again (kept requests continue).
@@ -265,13 +331,13 @@ class LLMEngine:
             return self.reload_weights(*args, **kwargs)
         if command is Command.UPDATE_WEIGHTS:
             return self.update_weights(*args, **kwargs)
-        return self.executor.run(command, *args, **kwargs)
+        return self._commands.run(command, *args, **kwargs)
 
     # ── the prefix cache ──────────────────────────────────────────────────────────────────────
 
     def memory_status(self) -> list[EngineMemoryStatus]:
         """Per rank: its ``MemoryStatus``, with the engine's prefix-cache statistics."""
-        statuses = self.executor.run(Command.MEMORY_STATUS)
+        statuses = self._commands.run(Command.MEMORY_STATUS)
         if isinstance(self.executor, UniprocExecutor):
             self._refresh_sleep_state()
         self._kv_epoch.invalidate_if_stale()
@@ -286,7 +352,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self._heap.unfreeze()  # first: the workers' frees may need cycles collected
-        self.executor.shutdown()
+        try:
+            self._drain()  # no rank frees memory a call in flight still uses
+        finally:
+            self.executor.shutdown()
 
     # ── internals ─────────────────────────────────────────────────────────────────────────────
 

@@ -40,9 +40,11 @@ Invariants between calls:
       ``Forks``); finished ones in none;
     - ``len(running) <= config.max_num_seqs``;
     - only running sequences hold blocks (see ``BlockManager``);
-    - at most one batch is in flight: ``schedule`` hands it out, ``postprocess_steps`` takes it
-      back, and ``preempt_all`` discards it (and resets the prefix cache: the blocks that batch
-      published were never computed).
+    - batches are in flight in order: ``schedule`` hands one out when none is, and
+      ``schedule_successor`` the one after it while it is (async scheduling,
+      ``engine/successor.py``: at most two); ``postprocess_steps`` takes back the oldest, and
+      ``preempt_all`` discards them all (and resets the prefix cache: the blocks they
+      published may never have been computed).
 
 Preemption is by recompute: the sequence's blocks are freed (its cached blocks stay findable),
 it goes back to the front of `waiting` with its output kept, and its next prefill recomputes
@@ -61,6 +63,7 @@ from dormant.engine.block_manager import BlockManager
 from dormant.engine.forks import Forks
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
 from dormant.engine.step_planner import StepPlanner
+from dormant.engine.successor import plan_successor
 from dormant.errors import EngineError
 
 
@@ -97,7 +100,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: deque[Sequence] = deque()
         self._unfinished_by_id: dict[int, Sequence] = {}
-        self._batch_in_flight: ScheduledBatch | None = None
+        self._in_flight: deque[ScheduledBatch] = deque()  # oldest first
         self._forks = Forks(config, block_manager, self._waiting, self._running)
         self._planner = StepPlanner(
             config, block_manager, self._waiting, self._running, self._preempt, self._forks
@@ -157,7 +160,7 @@ class Scheduler:
         returned sequence is RUNNING and its block table covers the positions it computes.
         Precondition: the previous batch was postprocessed (else ``SchedulerError``).
         """
-        if self._batch_in_flight is not None:
+        if self._in_flight:
             raise SchedulerError("the previous batch is still in flight; postprocess it first")
         planner = self._planner
         if self.config.enable_chunked_prefill:
@@ -169,8 +172,23 @@ class Scheduler:
                 f"no sequence can be scheduled: {self.num_waiting} waiting, "
                 f"{self.num_running} running, {self.block_manager.num_free_blocks} free blocks"
             )
-        self._batch_in_flight = batch
+        if batch is not None:
+            self._in_flight.append(batch)
         return batch
+
+    def schedule_successor(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode batch after ``batch``, planned while ``batch`` is in flight with its tokens
+        unknown, where they cannot change it (``engine/successor.py``); else None, changing
+        nothing. Precondition: ``batch`` is the only batch in flight (else ``SchedulerError``).
+        """
+        if list(self._in_flight) != [batch]:
+            raise SchedulerError("a successor follows the one batch in flight")
+        successor = plan_successor(
+            batch, self.config, self.block_manager, self._running, self.num_waiting
+        )
+        if successor is not None:
+            self._in_flight.append(successor)
+        return successor
 
     def postprocess_steps(
         self,
@@ -191,15 +209,17 @@ class Scheduler:
         ``stop_token_ids`` ("stop", with the id as ``stop_reason``), or when ``on_token``
         reports a stop string ("stop", with the string). Its blocks are freed. Returns the
         newly finished sequences, in batch order.
-        Precondition: ``batch`` is the batch in flight (else ``SchedulerError``).
+        A successor in flight after ``batch`` computes the KV of the tokens appended here: its
+        sequences publish their full blocks now that their tokens are known.
+        Precondition: ``batch`` is the oldest batch in flight (else ``SchedulerError``).
         """
-        if batch is not self._batch_in_flight:
+        if not self._in_flight or batch is not self._in_flight[0]:
             raise SchedulerError(
-                "this batch is not in flight: it was postprocessed already, or preempt_all "
-                "discarded it (its sequences will recompute)"
+                "this batch is not the oldest in flight: it was postprocessed already, or "
+                "preempt_all discarded it (its sequences will recompute)"
             )
         batch.check_token_ids(token_ids)
-        self._batch_in_flight = None
+        self._in_flight.popleft()
         finished: list[Sequence] = []
         num_drafts = batch.num_draft_tokens
         rows = zip(batch.seqs, batch.num_new_tokens, token_ids, strict=True)
@@ -223,6 +243,10 @@ class Scheduler:
                     finished.append(seq)
         if finished:
             _drop_finished(self._running)
+        for successor in self._in_flight:
+            for seq in successor.seqs:
+                if not seq.is_finished:
+                    self.block_manager.publish(seq, seq.num_tokens)
         return finished
 
     def abort(self, seq_ids: Iterable[int] | None = None) -> list[Sequence]:
@@ -247,12 +271,12 @@ class Scheduler:
 
         Used before the KV cache is discarded (sleep in "keep" mode), or to recover from a
         failed step: the sequences keep their outputs and recompute their KV when scheduled
-        again. A batch in flight is discarded, and with it the prefix cache (the blocks it
+        again. The batches in flight are discarded, and with it the prefix cache (the blocks it
         published may never have been computed). Postcondition: no block is held.
         """
-        if self._batch_in_flight is not None:
+        if self._in_flight:
             self.block_manager.reset_prefix_cache()
-        self._batch_in_flight = None
+        self._in_flight.clear()
         while self._running:
             self._preempt(self._running.pop())
 

@@ -28,13 +28,13 @@ def outputs(llm, params: SamplingParams, prompts=PROMPTS) -> tuple[list, list]:
 
 def record_steps(llm) -> list[StepInput]:
     executor, seen = llm.llm_engine.executor, []
-    execute = executor.execute
+    launch = executor.launch  # every call the engine makes (UniprocExecutor)
 
-    def recording(step: StepInput):  # type: ignore[no-untyped-def]
+    def recording(step: StepInput, multi_step: bool = False):  # type: ignore[no-untyped-def]
         seen.append(step)
-        return execute(step)
+        return launch(step, multi_step)
 
-    executor.execute = recording  # type: ignore[method-assign]
+    executor.launch = recording  # type: ignore[method-assign]
     return seen
 
 

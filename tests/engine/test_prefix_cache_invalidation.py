@@ -191,16 +191,16 @@ def test_a_failed_step_drops_the_blocks_it_published(make_llm, checkpoint, no_re
     def run(disable_reset: bool) -> tuple[list[int], int]:
         llm = make_llm(str(checkpoint), block_size=4)
         executor = llm.llm_engine.executor
-        execute = executor.execute
+        launch = executor.launch  # every call the engine makes (UniprocExecutor)
         calls = []
 
-        def failing(step):  # type: ignore[no-untyped-def]
+        def failing(step, multi_step=False):  # type: ignore[no-untyped-def]
             calls.append(step)
             if len(calls) == 1:
                 raise RuntimeError("injected step failure")
-            return execute(step)
+            return launch(step, multi_step)
 
-        executor.execute = failing  # type: ignore[method-assign]
+        executor.launch = failing  # type: ignore[method-assign]
         if disable_reset:
             no_reset()
         with pytest.raises(RuntimeError, match="injected"):

@@ -149,14 +149,14 @@ def test_stop_token_ids_and_min_tokens(make_llm, checkpoint: Path) -> None:
 def count_prefilled_tokens(llm: LLM) -> list[int]:
     """Wraps the executor: records how many positions each prefill step computes."""
     executor, counts = llm.llm_engine.executor, []
-    execute = executor.execute
+    launch = executor.launch  # every call the engine makes (UniprocExecutor)
 
-    def recording(step):  # type: ignore[no-untyped-def]
+    def recording(step, multi_step=False):  # type: ignore[no-untyped-def]
         if step.is_prefill:
             counts.append(step.num_tokens)
-        return execute(step)
+        return launch(step, multi_step)
 
-    executor.execute = recording  # type: ignore[method-assign]
+    executor.launch = recording  # type: ignore[method-assign]
     return counts
 
 

@@ -11,8 +11,8 @@ import torch
 
 from dormant import LLM, SamplingParams
 from dormant.core.step_input import StepInput
-from dormant.core.step_output import StepOutput
 from dormant.engine.batch import ScheduledBatch
+from dormant.worker.pending_step import PendingStep
 from tests.engine.conftest import PROMPTS, write_checkpoint
 from tests.gpu.conftest import make_engine
 
@@ -92,13 +92,14 @@ def test_greedy_decodes_run_through_the_multi_step_graph(engines, checkpoint) ->
     llm = make_engine(engines, checkpoint)
     executor = llm.llm_engine.executor
     replays: list[int] = []
-    run_multi_step = executor.execute_multi_step
+    launch = executor.launch  # every call the engine makes (UniprocExecutor)
 
-    def counted(step: StepInput) -> StepOutput:
-        replays.append(len(step.seqs))
-        return run_multi_step(step)
+    def counted(step: StepInput, multi_step: bool = False) -> PendingStep:
+        if multi_step:
+            replays.append(len(step.seqs))
+        return launch(step, multi_step)
 
-    executor.execute_multi_step = counted  # type: ignore[method-assign]
+    executor.launch = counted  # type: ignore[method-assign]
     multi = tokens(llm)
     assert replays == [len(PROMPTS)] * 3  # 1 prefill token, 3 x 4 fused, then 3 single steps
     engines.pop().shutdown()  # one engine per GPU at a time

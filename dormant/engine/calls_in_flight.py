@@ -1,0 +1,95 @@
+"""The engine's model calls in flight, and the worker commands that wait for them.
+
+Without async scheduling a call is read back as soon as it is launched, so at most one is in
+flight and only inside ``LLMEngine.step``. With it (``EngineConfig.overlaps_steps``) a step ends
+with the next call still running on the device (``engine/successor.py``), and commands arrive
+between steps: a sleep, a refit, an extension's method. THE DRAIN RULE: every command the
+engine sends its workers first completes the calls in flight (``DrainingExecutor``), so no
+command ever meets a step the device is still computing; the requests those calls finished are
+returned by the engine's next ``step`` (``LLMEngine.pop_drained_outputs``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from dormant.core.commands import Command
+from dormant.core.step_input import StepInput
+from dormant.core.step_output import StepOutput
+from dormant.engine.batch import ScheduledBatch
+from dormant.executors import Executor, UniprocExecutor
+from dormant.worker.pending_step import PendingStep
+
+
+class CallsInFlight:
+    """Launched batches and their pending results, oldest first. ``overlaps``: the engine may
+    queue a call while another is in flight (``async_scheduling``); only an in-process rank's
+    calls can return before their results (``UniprocExecutor.launch``, every call of one, so
+    its calls are seen in one place); other executors' run to their results."""
+
+    def __init__(self, executor: Executor, overlaps: bool) -> None:
+        self._executor = executor
+        self.is_in_process = isinstance(executor, UniprocExecutor)
+        self._overlaps = overlaps and self.is_in_process
+        self._calls: deque[tuple[ScheduledBatch, PendingStep]] = deque()
+
+    @property
+    def overlaps(self) -> bool:
+        return self._overlaps
+
+    @overlaps.setter
+    def overlaps(self, value: bool) -> None:
+        if value and not self.is_in_process:
+            raise ValueError("only an in-process rank's calls overlap (UniprocExecutor)")
+        self._overlaps = value
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def launch(self, batch: ScheduledBatch, step: StepInput) -> None:
+        multi_step = batch.num_steps > 1  # decodes: the fused multi-step graph
+        executor = self._executor
+        if isinstance(executor, UniprocExecutor):
+            pending = executor.launch(step, multi_step)
+        elif multi_step:
+            pending = PendingStep.done(executor.execute_multi_step(step))
+        else:
+            pending = PendingStep.done(executor.execute(step))
+        self._calls.append((batch, pending))
+
+    def oldest(self) -> tuple[ScheduledBatch, PendingStep]:
+        return self._calls[0]
+
+    def pop_oldest(self) -> tuple[ScheduledBatch, PendingStep]:
+        return self._calls.popleft()
+
+    def clear(self) -> None:
+        """Forgets every call (a failed step: the scheduler discards their batches). The device
+        may still run them; whatever runs next is queued behind them."""
+        self._calls.clear()
+
+
+class DrainingExecutor:
+    """``executor`` whose commands (``run``) each first call ``drain``: THE DRAIN RULE."""
+
+    def __init__(self, executor: Executor, drain: Callable[[], None]) -> None:
+        self._executor, self._drain = executor, drain
+        self.world_size = executor.world_size
+
+    def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
+        self._drain()
+        return self._executor.run(command, *args, **kwargs)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        self._drain()
+        return self._executor.execute(step)
+
+    def execute_multi_step(self, step: StepInput) -> StepOutput:
+        self._drain()
+        return self._executor.execute_multi_step(step)
+
+    def shutdown(self) -> None:
+        self._drain()
+        self._executor.shutdown()
