@@ -6,7 +6,12 @@ just read. The next batch is planned without those tokens, so it is planned only
 cannot change it, and it is then the batch ``Scheduler.schedule`` would return after them:
 
 - the batch in flight is a plain decode (no prefill, speculative rows, forks or block copies)
-  of every running sequence, and nothing waits (else the next step admits prefills);
+  of every running sequence;
+- nothing waits, or nothing that waits can start: the batch holds ``max_num_seqs`` sequences
+  and none of them finishes by length in it (a row that stops on a token frees its slot only
+  when the host reads it: the sequence waiting for that slot starts one call later than
+  synchronous steps would start it, with the same tokens). Decodes with sequences waiting run
+  one step per call, as ``StepPlanner`` runs them, so that a freed slot is filled soon;
 - no row needs its output tokens on the host to compute its next one (penalties, bad words
   of several tokens: ``batch.needs_output_tokens``);
 - each row continues with the same rows, less those finished since (aborted, or stopped when
@@ -39,23 +44,25 @@ def plan_successor(
 ) -> ScheduledBatch | None:
     """The batch after ``batch`` (in flight, its tokens unknown), or None where only its tokens
     can tell (see the module docstring). Takes the new batch's blocks; None changes nothing."""
-    if num_waiting or batch.is_prefill or batch.is_speculative or batch.fork_of:
-        return None
-    if batch.block_copies:
+    if batch.is_prefill or batch.is_speculative or batch.fork_of or batch.block_copies:
         return None
     lead, max_model_len = batch.num_steps, config.max_model_len
     live = [(row, seq) for row, seq in enumerate(batch.seqs) if not seq.is_finished]
     if len(live) != len(running):  # another sequence runs (a prompt being chunked)
         return None
+    if num_waiting and len(live) < config.max_num_seqs:
+        return None  # a slot is free: the next step admits a waiting sequence
     rows: list[int] = []
     seqs: list[Sequence] = []
     distinct = set()
     for row, seq in live:
         num_outputs = seq.num_output_tokens + lead
-        if num_outputs >= stopping.max_tokens(seq, max_model_len):
+        if num_outputs >= stopping.max_tokens(seq, max_model_len) or (
+            seq.num_prompt_tokens + num_outputs >= max_model_len
+        ):
+            if num_waiting:
+                return None  # its slot frees: the next step admits a waiting sequence
             continue  # finishes by length in the batch in flight
-        if seq.num_prompt_tokens + num_outputs >= max_model_len:
-            continue
         if id(seq.params) not in distinct:  # the n samples of a request share their params
             if needs_output_tokens(seq.params):
                 return None
@@ -64,7 +71,7 @@ def plan_successor(
         seqs.append(seq)
     if not seqs:
         return None
-    num_steps = _num_steps(seqs, lead, config)
+    num_steps = 1 if num_waiting else _num_steps(seqs, lead, config)
     while not block_manager.grow_all(seqs, lead + num_steps - 1):
         if num_steps == 1:
             return None  # the synchronous step decides whom to preempt

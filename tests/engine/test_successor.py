@@ -16,9 +16,11 @@ from tests.engine.scheduler_helpers import postprocess
 EOS, FILLER, BLOCK_SIZE = 0, 7, 4
 
 
-def make(num_blocks: int = 64, num_decode_steps: int = 1, caching: bool = False) -> Scheduler:
+def make(
+    num_blocks: int = 64, num_decode_steps: int = 1, caching: bool = False, max_num_seqs: int = 8
+) -> Scheduler:
     config = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
         num_decode_steps=num_decode_steps, max_multi_step_seqs=8,
     )  # fmt: skip
     return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE, caching), frozenset({EOS}))
@@ -80,6 +82,29 @@ def test_rows_that_leave_are_left_out_and_stopped_rows_skipped() -> None:
     assert apply(scheduler, successor) == []
     assert batch.seqs[0].output_token_ids == [FILLER, EOS]
     assert batch.seqs[3].num_output_tokens == 3
+
+
+def test_a_full_batch_continues_while_others_wait_one_step_at_a_time() -> None:
+    """Nothing that waits can start while every slot is taken: the successor runs (single
+    steps, as the planner runs decodes with sequences waiting), unless a row's slot frees by
+    length in the call in flight."""
+    scheduler = make(num_decode_steps=4, max_num_seqs=2)
+    batch = decoding(scheduler, PLAIN, PLAIN)
+    scheduler.add(SequenceFactory(first_seq_id=100).create([FILLER] * 3, PLAIN))
+    successor = scheduler.schedule_successor(batch)
+    assert successor is not None and successor.num_steps == 1
+    apply(scheduler, batch)
+    apply(scheduler, successor)
+    scheduler.abort([batch.seqs[1].seq_id])
+    freed = scheduler.schedule()  # a slot is free: the waiting sequence is prefilled
+    assert freed is not None and freed.is_prefill
+    apply(scheduler, freed)
+
+    scheduler = make(max_num_seqs=2)
+    short = SamplingParams(temperature=0.0, max_tokens=2)  # finishes in the call in flight
+    batch = decoding(scheduler, PLAIN, short)
+    scheduler.add(SequenceFactory(first_seq_id=100).create([FILLER] * 3, PLAIN))
+    assert scheduler.schedule_successor(batch) is None
 
 
 @pytest.mark.parametrize(
