@@ -47,6 +47,7 @@ import argparse
 import cProfile
 import dataclasses
 import gc
+import os
 import pstats
 import statistics
 import sys
@@ -320,7 +321,9 @@ def _maybe_profiled(profile: bool, fn: Callable[[], list[float]], gc_freeze: boo
         else:
             profiler = cProfile.Profile()
             times = profiler.runcall(fn)
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+            pstats.Stats(profiler).sort_stats(
+                os.environ.get("PROFILE_SORT", "tottime")
+            ).print_stats(30)
     finally:
         if gc_freeze:
             gc.unfreeze()

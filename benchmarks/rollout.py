@@ -27,23 +27,29 @@ wake_up(["kv_cache"]) -> generate the same prompts again. Throughput after a cyc
 throughput before it, and the hit rate must drop to the prompts' own n-sharing: the engine
 invalidated the cache itself (no reset_prefix_cache call anywhere in this file).
 
+Each variant runs with async scheduling off, then on (``--async-scheduling on,off`` reverses
+the order; ``on`` runs it on alone): the engine queues the next decode call before reading the
+one in flight. A call's time is the device's (``StepLog``), so the host work async scheduling
+hides shows in the generated tokens/s, not in the step times.
+
 ``--multi-steps k`` captures the fused k-step decode graph (``cuda_graph_multi_steps``); a replay
 then counts as k decode steps of its mean time, against the mean of their rooflines.
 
-Usage: python benchmarks/rollout.py [--quick] [--cycles 1] [--multi-steps 1] [--out rollout.jsonl]
+Usage: python benchmarks/rollout.py [--quick] [--cycles 1] [--multi-steps 1]
+       [--async-scheduling off,on] [--out rollout.jsonl]
 (``--smoke`` runs a tiny model on whatever device there is, to check the script: no numbers.)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -76,35 +82,63 @@ class Step(NamedTuple):
 
 
 class StepLog:
-    """Times every worker step of the engine, with what the scheduler put in it."""
+    """Times every worker call of the engine, with what the scheduler put in it.
+
+    A call's time runs from when the device could start it to when its last kernel ended: on
+    CUDA, events recorded on the stream at its launch and after it. A call queued behind
+    another (async scheduling) starts when that one ends, so the host work it overlapped is
+    not in it; a call launched after the one before was read starts at its launch, so the
+    worker's host work on it is (what the GPU waits on). On the CPU: launch to result."""
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.llm_engine
         self.batches: list[Any] = []
         self.steps: list[Step] = []
+        self._events: list[tuple[Any, Any]] = []  # (start, end) per call, CUDA only
         executor = self.engine.executor
-        execute, execute_multi_step = executor.execute, executor.execute_multi_step
+        launch = executor.launch  # every call of an in-process rank
+        on_cuda = executor.worker.device.type == "cuda"
 
-        def timed(run, num_steps, step):  # type: ignore[no-untyped-def]
+        def timed(step, multi_step=False):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
-            output = run(step)  # ends with the sampled tokens on the host: whole steps
-            seconds = time.perf_counter() - start
-            batch = self.batches[-1]
+            if on_cuda:
+                events = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                events[0].record()
+            pending = launch(step, multi_step)
+            if on_cuda:
+                events[1].record()
+                self._events.append(events)
+            else:
+                pending.result()
+            batch = self.batches[-1]  # the engine launches each batch as it is planned
             kv_tokens = sum(s.start_position + len(s.token_ids) for s in step.seqs)
+            seconds = time.perf_counter() - start  # the CPU's; CUDA's come from the events
             self.steps.append(Step(batch.is_prefill, batch.num_seqs, batch.num_prefill_tokens,
-                                   kv_tokens, seconds, num_steps))  # fmt: skip
-            return output
+                                   kv_tokens, seconds, batch.num_steps))  # fmt: skip
+            return pending
 
-        executor.execute = partial(timed, execute, 1)  # type: ignore[method-assign]
-        num_steps = self.engine.scheduler.config.num_decode_steps
-        executor.execute_multi_step = partial(  # type: ignore[method-assign]
-            timed, execute_multi_step, num_steps
-        )
+        executor.launch = timed  # type: ignore[method-assign]
         self.attach(self.engine.scheduler)
+
+    def finish(self) -> None:
+        """Sets each call's time from its CUDA events (after the generate returned)."""
+        if not self._events:
+            return
+        self._events[-1][1].synchronize()
+        self.steps = [
+            step._replace(seconds=start.elapsed_time(end) / 1e3)
+            for step, (start, end) in zip(self.steps, self._events, strict=True)
+        ]
+        self._events.clear()
 
     def attach(self, scheduler: Scheduler) -> None:
         """Records every batch ``scheduler`` hands out (call again for a new scheduler)."""
         schedule = scheduler.schedule
+
+        schedule_successor = scheduler.schedule_successor
 
         def recorded():  # type: ignore[no-untyped-def]
             batch = schedule()
@@ -112,17 +146,29 @@ class StepLog:
                 self.batches.append(batch)
             return batch
 
+        def recorded_successor(before):  # type: ignore[no-untyped-def]
+            batch = schedule_successor(before)
+            if batch is not None:
+                self.batches.append(batch)
+            return batch
+
         scheduler.schedule = recorded  # type: ignore[method-assign]
+        scheduler.schedule_successor = recorded_successor  # type: ignore[method-assign]
 
     def clear(self) -> None:
         self.batches.clear()
         self.steps.clear()
+        self._events.clear()
 
 
-def variant(llm: LLM, log: StepLog, prefix_caching: bool, chunked: bool) -> None:
+def variant(
+    llm: LLM, log: StepLog, prefix_caching: bool, chunked: bool, overlap: bool = True
+) -> None:
     """Rebuilds the engine's scheduler and block manager (empty, so the prefix cache is cold)
-    with these options; the model, its graphs and the KV cache stay."""
+    with these options, and sets its async scheduling; the model, its graphs and the KV cache
+    stay."""
     engine = llm.llm_engine
+    engine.async_scheduling = overlap
     old = engine.scheduler
     assert not old.has_unfinished
     config = replace(old.config, enable_chunked_prefill=chunked)
@@ -146,6 +192,7 @@ def generate(llm: LLM, batch: list[list[int]], params: SamplingParams, log: Step
     start = time.perf_counter()
     outputs = llm.generate(batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    log.finish()
     after = llm.memory_status()[0].prefix_cache
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     prefill = [s for s in log.steps if s.is_prefill]
@@ -268,6 +315,14 @@ def new_weights(llm: LLM, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, values.mul_(0.02)
 
 
+def on_off_list(value: str) -> list[bool]:
+    """``"off,on"`` -> [False, True] (argparse's type for ``--async-scheduling``)."""
+    words = value.split(",")
+    if not words or any(word not in ("on", "off") for word in words):
+        raise argparse.ArgumentTypeError(f"expected on/off words joined by commas, got {value!r}")
+    return [word == "on" for word in words]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 prompts x 256, 128 out")
@@ -276,6 +331,10 @@ def main() -> None:
     parser.add_argument(
         "--multi-steps", type=int, default=1,
         help="cuda_graph_multi_steps: decode steps per fused graph replay (default 1: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--async-scheduling", default=[False, True], type=on_off_list,
+        help="each variant with async scheduling in this order (default off,on: side by side)",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -324,22 +383,23 @@ def main() -> None:
 
     rows, summary = [], {}
     batch = prompts(num_prompts, prompt_len, vocab, seed=0)
-    for caching in (False, True):
-        for chunked in (False, True):
-            variant(llm, log, caching, chunked)
-            result = generate(llm, batch, params, log)
-            name = f"caching {'on' if caching else 'off'}, chunked {'on' if chunked else 'off'}"
-            summary[(caching, chunked)] = result
-            decode = list(
-                roofline_rows(result.pop("decode"), weight_bytes, gemm_params, kv_per_token, device)
-            )
-            large = [row["x_roofline"] for row in decode if row["batch_bucket"] >= 64]
-            rows.append(rec.emit(
-                case="rollout", variant=name, **result,
-                x_roofline_b64_plus=max(large) if large else None,  # the worst bucket >= 64
-            ))  # fmt: skip
-            for row in decode:
-                rec.emit(case="decode_vs_roofline", variant=name, **row)
+    overlaps = args.async_scheduling
+    for caching, chunked, overlap in itertools.product((False, True), (False, True), overlaps):
+        variant(llm, log, caching, chunked, overlap)
+        result = generate(llm, batch, params, log)
+        name = f"caching {'on' if caching else 'off'}, chunked {'on' if chunked else 'off'}"
+        name += f", async {'on' if overlap else 'off'}"
+        summary[(caching, chunked)] = result
+        decode = list(
+            roofline_rows(result.pop("decode"), weight_bytes, gemm_params, kv_per_token, device)
+        )
+        large = [row["x_roofline"] for row in decode if row["batch_bucket"] >= 64]
+        rows.append(rec.emit(
+            case="rollout", variant=name, **result, ended_at=time.time(),  # the epoch's seconds
+            x_roofline_b64_plus=max(large) if large else None,  # the worst bucket >= 64
+        ))  # fmt: skip
+        for row in decode:
+            rec.emit(case="decode_vs_roofline", variant=name, **row)
     for chunked in (False, True):
         off, on = summary[(False, chunked)], summary[(True, chunked)]
         cut = 1 - on["prefill_tokens"] / off["prefill_tokens"]
