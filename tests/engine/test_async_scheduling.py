@@ -110,9 +110,7 @@ def test_async_steps_return_the_tokens_of_synchronous_steps(
 def test_calls_are_queued_ahead_while_requests_wait_for_a_slot(make_llm, checkpoint) -> None:
     """More sequences than ``max_num_seqs``: the full batch decodes ahead while the others
     wait; each starts when a slot frees, with the tokens of synchronous steps."""
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 9, 7)
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 9, 7)]
     sync = make_llm(str(checkpoint), async_scheduling=False, max_num_seqs=2)
     expected = completions(sync, params)
     llm = make_llm(str(checkpoint), max_num_seqs=2)
