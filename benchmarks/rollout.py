@@ -36,7 +36,7 @@ hides shows in the generated tokens/s, not in the step times.
 then counts as k decode steps of its mean time, against the mean of their rooflines.
 
 Usage: python benchmarks/rollout.py [--quick] [--cycles 1] [--multi-steps 1]
-       [--async-scheduling off,on] [--out rollout.jsonl]
+       [--async-scheduling off,on] [--max-num-seqs 512] [--out rollout.jsonl]
 (``--smoke`` runs a tiny model on whatever device there is, to check the script: no numbers.)
 """
 
@@ -336,6 +336,10 @@ def main() -> None:
         "--async-scheduling", default=[False, True], type=on_off_list,
         help="each variant with async scheduling in this order (default off,on: side by side)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="the engine's max_num_seqs (default: every sequence at once, 512)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     num_prompts, prompt_len, out_len = (16, 256, 128) if args.quick else (64, 512, 512)
@@ -352,7 +356,7 @@ def main() -> None:
         Device(device_copy_bandwidth(), matmul_flops_per_s()) if on_gpu else Device(1e10, 1e11)
     )
     start = time.perf_counter()
-    max_seqs = num_prompts * n
+    max_seqs = args.max_num_seqs or num_prompts * n
     llm = LLM(
         ModelConfig.from_dict(shape), max_model_len=prompt_len + out_len, max_num_seqs=max_seqs,
         max_num_batched_tokens=8192, cuda_graph_multi_steps=args.multi_steps,

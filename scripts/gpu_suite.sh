@@ -64,22 +64,14 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # the twelfth session's changes that no GPU call ran: the engine's GPU tests with the splits
-  # merged by the layers' merge tickets (the default since 5883480; only the attention's own GPU
-  # tests, the PDL chains and benchmarks ran with them), and the PDL-above-batch-1 engine test
-  # as fixed (it built a second engine while the first held the device's memory manager)
-  # and the merge kernel as it now runs the tickets' merge (_merge_group, one program per
-  # sequence and kv head: the decode tests without tickets take it)
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_pdl_above_batch_1.py \
-    tests/layers/test_triton_attention.py \
-    tests/gpu/test_engine_graphs.py tests/gpu/test_moe_lifecycle.py tests/gpu/test_spec_decode_gpu.py \
-    tests/gpu/test_prefix_cache_gpu.py tests/gpu/test_logprobs_gpu.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
+  # nothing waits for a first GPU run: the thirteenth session's async scheduling ran in runs
+  # 7-10. What runs here: the async scheduling GPU tests, and the rollout at dormant's default
+  # max_num_seqs (64), where a full batch is continued ahead while 448 sequences wait.
+  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_async_scheduling_gpu.py \
+    2>&1 | tee "$OUT/pending-gpu-tests.log"
   status=$((status | PIPESTATUS[0]))
-  # the merge tickets against the merge kernel, batch 1 (96 attention layers) and batch 64-256
-  python3 benchmarks/moe_b1_sweep.py --only attention --out "$OUT/moe-b1-attention.jsonl" 2>&1 \
-    | tee "$OUT/moe-b1-attention.log"
-  status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/dense_decode_sweep.py --out "$OUT/dense-sweep.jsonl" 2>&1 | tee "$OUT/dense-sweep.log"
+  python3 benchmarks/rollout.py --multi-steps 4 --max-num-seqs 64 --out "$OUT/rollout-64.jsonl" \
+    2>&1 | tee "$OUT/rollout-64.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
