@@ -6,7 +6,9 @@ with the next call still running on the device (``engine/successor.py``), and co
 between steps: a sleep, a refit, an extension's method. THE DRAIN RULE: every command the
 engine sends its workers first completes the calls in flight (``DrainingExecutor``), so no
 command ever meets a step the device is still computing; the requests those calls finished are
-returned by the engine's next ``step`` (``LLMEngine.pop_drained_outputs``).
+returned by the engine's next ``step`` (``LLMEngine.pop_drained_outputs``). Only the commands
+that read a rank's bookkeeping and touch no device memory (``READ_ONLY_COMMANDS``: the memory
+status a ``/metrics`` scrape asks for, the sleep state, the health check) run beside them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dormant.core.step_output import StepOutput
 from dormant.engine.batch import ScheduledBatch
 from dormant.executors import Executor, UniprocExecutor
 from dormant.worker.pending_step import PendingStep
+
+READ_ONLY_COMMANDS = frozenset({Command.MEMORY_STATUS, Command.SLEEP_STATE, Command.CHECK_HEALTH})
 
 
 class CallsInFlight:
@@ -72,14 +76,16 @@ class CallsInFlight:
 
 
 class DrainingExecutor:
-    """``executor`` whose commands (``run``) each first call ``drain``: THE DRAIN RULE."""
+    """``executor`` whose commands (``run``) each first call ``drain`` (THE DRAIN RULE), but
+    ``READ_ONLY_COMMANDS``."""
 
     def __init__(self, executor: Executor, drain: Callable[[], None]) -> None:
         self._executor, self._drain = executor, drain
         self.world_size = executor.world_size
 
     def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
-        self._drain()
+        if command not in READ_ONLY_COMMANDS:
+            self._drain()
         return self._executor.run(command, *args, **kwargs)
 
     def execute(self, step: StepInput) -> StepOutput:

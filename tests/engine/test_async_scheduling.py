@@ -164,6 +164,23 @@ def test_a_command_between_steps_drains_the_call_in_flight(make_llm, checkpoint:
     assert_same(completions(llm, params), expected)
 
 
+def test_reading_the_memory_status_between_steps_keeps_the_call_in_flight(
+    make_llm, checkpoint: Path
+) -> None:
+    """A ``/metrics`` scrape (``memory_status``) reads bookkeeping only: no drain; a command
+    that reaches the device (``verify_guards``) drains."""
+    llm = make_llm(str(checkpoint))
+    engine = llm.llm_engine
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert len(engine._calls) == 1
+    assert llm.memory_status()[0].prefix_cache is not None
+    assert len(engine._calls) == 1
+    llm.collective_rpc("verify_guards")
+    assert len(engine._calls) == 0
+
+
 def test_a_refit_between_steps_tags_the_drained_tokens_with_the_old_weights(
     make_llm, checkpoint: Path
 ) -> None:
