@@ -90,6 +90,13 @@ def add_serve_parser(commands: Any) -> None:
                             "or abort them")  # fmt: skip
     eng = serve.add_argument_group("engine")
     eng.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    eng.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue the next decode call before reading the one in flight (vLLM's; default: "
+        "on where it applies, one in-process rank without speculative decoding)",
+    )
     for flag, kind, default, text in ENGINE_OPTIONS:
         eng.add_argument(flag, type=kind, default=default, help=text)
 
@@ -160,6 +167,7 @@ def _load_engine(args: argparse.Namespace, sock: Any) -> Any:
         flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
         for flag, *_ in ENGINE_OPTIONS
     }
+    options["async_scheduling"] = args.async_scheduling
     options = {name: value for name, value in options.items() if value is not None}
     try:
         return AsyncLLM(

@@ -116,3 +116,20 @@ def test_import_and_the_demo_parser_need_no_server_dependencies() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)],
+)
+def test_async_scheduling_reaches_the_engine(monkeypatch, model_dir, flags, expected) -> None:
+    """vLLM's ``--async-scheduling`` / ``--no-async-scheduling``; unset, the engine decides."""
+    import dormant.engine.async_llm
+    from dormant.cli import build_parser
+    from dormant.cli.serve import _load_engine
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(dormant.engine.async_llm, "AsyncLLM", lambda *a, **k: seen.update(k))
+    args = build_parser().parse_args(["serve", str(model_dir), *flags])
+    _load_engine(args, sock=None)
+    assert seen.get("async_scheduling") == expected
