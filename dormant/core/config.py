@@ -96,8 +96,8 @@ class EngineConfig:
     comm_sleep: CommSleep = "off"
     # vLLM's: queue the next decode call before the host reads the one in flight, so the device
     # computes while the host applies tokens (``engine/successor.py``). None: on where it
-    # applies (one in-process rank, no speculative decoding), as vLLM's None; the tokens are
-    # those of synchronous steps either way.
+    # applies (executors "uni" and "mp", no speculative decoding), as vLLM's None; the tokens
+    # are those of synchronous steps either way.
     async_scheduling: bool | None = None
 
     @classmethod
@@ -166,12 +166,11 @@ class EngineConfig:
             )
         if self.async_scheduling and not self.overlaps_steps:
             raise UnsupportedOptionError(
-                "async_scheduling=True overlaps the steps of one in-process rank without "
-                "speculative decoding; this engine has "
-                f"tensor_parallel_size={self.tensor_parallel_size}, distributed_executor_backend="
-                f"{self.distributed_executor_backend!r}, speculative_config="
-                f"{'set' if self.speculative_config else None}: leave async_scheduling unset "
-                "(on where it applies) or set it False"
+                "async_scheduling=True overlaps the steps of the in-process executors ('uni', "
+                "'mp') without speculative decoding; this engine has "
+                f"distributed_executor_backend={self.distributed_executor_backend!r}, "
+                f"speculative_config={'set' if self.speculative_config else None}: leave "
+                "async_scheduling unset (on where it applies) or set it False"
             )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(
@@ -195,14 +194,14 @@ class EngineConfig:
 
     @property
     def overlaps_steps(self) -> bool:
-        """Whether async scheduling applies: on unless turned off, for one rank in this process
-        (``UniprocExecutor``) without speculative decoding."""
-        in_process = self.distributed_executor_backend in (None, "uni")
+        """Whether async scheduling applies: on unless turned off, for the executors that
+        launch steps without waiting (one rank in this process, ``UniprocExecutor``; a worker
+        process per rank, ``MultiprocExecutor``), without speculative decoding."""
+        launches = self.distributed_executor_backend in (None, "uni", "mp")
         return (
             self.async_scheduling is not False
-            and in_process
+            and launches
             and self.placement_group is None
-            and self.tensor_parallel_size == 1
             and self.speculative_config is None
         )
 

@@ -147,7 +147,8 @@ class LLMEngine:
     def async_scheduling(self) -> bool:
         """Whether steps overlap: the next call is queued before the host reads one. Settable
         (benchmarks compare both on one engine): it applies from the next step on; True
-        raises ``ValueError`` where the calls cannot overlap (ranks in other processes)."""
+        raises ``ValueError`` where the calls cannot overlap (Ray actors, ``torchrun`` ranks,
+        speculative decoding)."""
         return self._calls.overlaps
 
     @async_scheduling.setter

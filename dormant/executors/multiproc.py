@@ -4,6 +4,10 @@ It starts one worker process per rank (spawned, on a free port), sends each
 the same typed command, and gathers the results in rank order; it doubles as a barrier. A worker
 that dies or stops answering makes every later call raise ``EngineDeadError`` and shuts the
 others down.
+
+``launch`` sends a step without waiting for its replies (the engine's async scheduling): each
+rank's pipe is first in, first out, so replies are read in the order the commands were sent,
+and any command first reads the replies of the steps sent before it (``RemoteStep``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import multiprocessing as mp
 import os
 import socket
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, cast
 
@@ -41,6 +46,7 @@ class MultiprocExecutor:
         self.processes: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._is_dead = False
+        self._unread: deque[RemoteStep] = deque()  # steps sent, replies not yet read
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe()
             process = context.Process(
@@ -57,13 +63,8 @@ class MultiprocExecutor:
         self.pids = self._gather(STARTUP_TIMEOUT_S)
 
     def run(self, command: Command, *args: Any, **kwargs: Any) -> list[Any]:
-        if self._is_dead:
-            raise EngineDeadError("the engine's workers are gone; create a new engine")
-        for conn in self._conns:
-            try:
-                conn.send((command, args, kwargs))
-            except (BrokenPipeError, OSError) as error:
-                self._die(f"a worker stopped answering ({error})")
+        self._read_unread()
+        self._send(command, args, kwargs)
         return self._gather(COMMAND_TIMEOUT_S)
 
     def execute(self, step: StepInput) -> StepOutput:
@@ -71,6 +72,38 @@ class MultiprocExecutor:
 
     def execute_multi_step(self, step: StepInput) -> StepOutput:
         return self.run(Command.EXECUTE_MULTI_STEP, step)[0]
+
+    def launch(self, step: StepInput, multi_step: bool = False) -> RemoteStep:
+        """Sends the step to every rank and returns before their replies (``RemoteStep``): the
+        engine applies the step before it while the ranks compute this one."""
+        self._send(Command.EXECUTE_MULTI_STEP if multi_step else Command.EXECUTE, (step,), {})
+        sent = RemoteStep(self)
+        self._unread.append(sent)
+        return sent
+
+    def read_oldest(self) -> None:
+        """Reads the replies of the oldest step sent and not read, into it."""
+        sent = self._unread.popleft()
+        try:
+            sent.output = self._gather(COMMAND_TIMEOUT_S)[0]
+        except BaseException as error:
+            sent.error = error
+            if isinstance(error, EngineDeadError):
+                raise
+
+    def _read_unread(self) -> None:
+        """Reads every step's replies still in the pipes, so a command reads its own."""
+        while self._unread:
+            self.read_oldest()
+
+    def _send(self, command: Command, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._is_dead:
+            raise EngineDeadError("the engine's workers are gone; create a new engine")
+        for conn in self._conns:
+            try:
+                conn.send((command, args, kwargs))
+            except (BrokenPipeError, OSError) as error:
+                self._die(f"a worker stopped answering ({error})")
 
     def shutdown(self) -> None:
         if not self._is_dead:
@@ -107,6 +140,24 @@ class MultiprocExecutor:
     def _die(self, reason: str) -> None:
         self.shutdown()
         raise EngineDeadError(f"{reason}; every worker was shut down. Create a new engine.")
+
+
+class RemoteStep:
+    """A step sent to every rank; ``result`` reads the replies (those of every step sent before
+    it first) and returns rank 0's output, or raises what a rank raised."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+        self.output: StepOutput | None = None
+        self.error: BaseException | None = None
+
+    def result(self) -> StepOutput:
+        while self.output is None and self.error is None:
+            self._executor.read_oldest()
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
+        return self.output
 
 
 def _stop(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:

@@ -20,6 +20,7 @@ static input buffers run after step N's graph has read them.
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,13 @@ from dormant.core.step_input import SeqInput
 from dormant.core.step_output import StepOutput
 from dormant.worker.logprobs import HostCopy
 from dormant.worker.step_readback import read_step_output
+
+
+class StepHandle(Protocol):
+    """A launched step, as the engine holds it: an in-process rank's ``PendingStep``, or the
+    replies of ranks in other processes (``executors/multiproc.RemoteStep``)."""
+
+    def result(self) -> StepOutput: ...
 
 
 class PendingStep:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
@@ -58,6 +59,7 @@ def executor_with(connection: BrokenConnection, sentinel_fd: int) -> MultiprocEx
     executor.processes = [LiveProcess(sentinel_fd)]  # type: ignore[list-item]
     executor._conns = [connection]  # type: ignore[list-item]
     executor._is_dead = False
+    executor._unread = deque()
     executor._finalizer = weakref.finalize(executor, lambda: None)
     return executor
 

@@ -70,6 +70,34 @@ def test_tp2_outputs_equal_tp1(tp2: LLM, expected) -> None:
     assert tp2.collective_rpc("check_health") == [True, True]
 
 
+def test_tp2_queues_calls_ahead_and_reads_every_reply_in_order(tp2: LLM, expected) -> None:
+    """Async scheduling over worker processes: a step is sent before the replies of the one in
+    flight are read; a read-only command between steps (the memory status, which does not
+    drain) first reads the replies still in the pipes, so each call gets its own."""
+    engine, executor = tp2.llm_engine, tp2.llm_engine.executor
+    assert engine.async_scheduling
+    launch, seen = executor.launch, []
+
+    def recording(step, multi_step=False):  # type: ignore[no-untyped-def]
+        seen.append(step)
+        return launch(step, multi_step)
+
+    executor.launch = recording  # type: ignore[method-assign]
+    try:
+        ids = [engine.add_request(p, KEEP) for p in PROMPTS]
+        outs: dict[str, object] = {}
+        for _ in range(3):
+            outs.update({o.request_id: o for o in engine.step()})
+        assert len(engine._calls) == 1  # a call in flight
+        assert len(tp2.memory_status()) == 2
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step()})
+    finally:
+        del executor.launch
+    assert [outs[str(i)].outputs[0].token_ids for i in ids] == expected["keep"]  # type: ignore[attr-defined]
+    assert sum(step.previous_rows is not None for step in seen) > 0
+
+
 def test_tp2_level_1_cycle(tp2: LLM, expected) -> None:
     tp2.sleep(level=1)
     statuses = tp2.memory_status()

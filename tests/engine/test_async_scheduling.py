@@ -226,8 +226,10 @@ def test_a_failed_call_ahead_recomputes_and_loses_nothing(make_llm, checkpoint: 
 
 
 def test_async_scheduling_true_is_refused_where_it_cannot_overlap() -> None:
+    torchrun = dict(distributed_executor_backend="external_launcher")
     with pytest.raises(UnsupportedOptionError, match="async_scheduling=True"):
-        EngineConfig.create(TARGET, tensor_parallel_size=2, async_scheduling=True)
+        EngineConfig.create(TARGET, async_scheduling=True, **torchrun)  # type: ignore[arg-type]
+    assert not EngineConfig.create(TARGET, **torchrun).overlaps_steps  # type: ignore[arg-type]
     assert not EngineConfig.create(TARGET, async_scheduling=False).overlaps_steps
     assert EngineConfig.create(TARGET).overlaps_steps
-    assert not EngineConfig.create(TARGET, tensor_parallel_size=2).overlaps_steps
+    assert EngineConfig.create(TARGET, tensor_parallel_size=2).overlaps_steps  # "mp"
