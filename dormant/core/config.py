@@ -95,9 +95,9 @@ class EngineConfig:
     # again at wake; eager only), or "off" (``distributed/comm_sleep.py``)
     comm_sleep: CommSleep = "off"
     # vLLM's: queue the next decode call before the host reads the one in flight, so the device
-    # computes while the host applies tokens (``engine/successor.py``). None: on where it
-    # applies (executors "uni" and "mp", no speculative decoding), as vLLM's None; the tokens
-    # are those of synchronous steps either way.
+    # computes while the host applies tokens (``engine/successor.py``). None: on for one
+    # in-process rank without speculative decoding (vLLM's None decides too); True also for TP
+    # worker processes ("mp"); the tokens are those of synchronous steps either way.
     async_scheduling: bool | None = None
 
     @classmethod
@@ -194,16 +194,18 @@ class EngineConfig:
 
     @property
     def overlaps_steps(self) -> bool:
-        """Whether async scheduling applies: on unless turned off, for the executors that
-        launch steps without waiting (one rank in this process, ``UniprocExecutor``; a worker
-        process per rank, ``MultiprocExecutor``), without speculative decoding."""
-        launches = self.distributed_executor_backend in (None, "uni", "mp")
-        return (
-            self.async_scheduling is not False
-            and launches
-            and self.placement_group is None
-            and self.speculative_config is None
-        )
+        """Whether async scheduling applies, without speculative decoding: unless turned off,
+        for one rank in this process (``UniprocExecutor``, run on the H200); when asked for
+        (``async_scheduling=True``), also for a worker process per rank (``MultiprocExecutor``,
+        tested over gloo on CPUs, not yet on GPUs: not a default until it is)."""
+        if self.async_scheduling is False or self.speculative_config is not None:
+            return False
+        if self.placement_group is not None:
+            return False
+        backend, one_rank = self.distributed_executor_backend, self.tensor_parallel_size == 1
+        if backend in (None, "uni") and one_rank:
+            return True
+        return bool(self.async_scheduling) and backend in (None, "mp") and not one_rank
 
     @property
     def cache_dtype(self) -> torch.dtype:

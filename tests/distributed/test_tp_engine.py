@@ -71,11 +71,13 @@ def test_tp2_outputs_equal_tp1(tp2: LLM, expected) -> None:
 
 
 def test_tp2_queues_calls_ahead_and_reads_every_reply_in_order(tp2: LLM, expected) -> None:
-    """Async scheduling over worker processes: a step is sent before the replies of the one in
-    flight are read; a read-only command between steps (the memory status, which does not
-    drain) first reads the replies still in the pipes, so each call gets its own."""
+    """Async scheduling over worker processes (``async_scheduling=True``; the setter here, on
+    the module's engine): a step is sent before the replies of the one in flight are read; a
+    read-only command between steps (the memory status, which does not drain) first reads the
+    replies still in the pipes, so each call gets its own."""
     engine, executor = tp2.llm_engine, tp2.llm_engine.executor
-    assert engine.async_scheduling
+    assert not engine.async_scheduling  # not a default over processes yet
+    engine.async_scheduling = True
     launch, seen = executor.launch, []
 
     def recording(step, multi_step=False):  # type: ignore[no-untyped-def]
@@ -94,6 +96,7 @@ def test_tp2_queues_calls_ahead_and_reads_every_reply_in_order(tp2: LLM, expecte
             outs.update({o.request_id: o for o in engine.step()})
     finally:
         del executor.launch
+        engine.async_scheduling = False
     assert [outs[str(i)].outputs[0].token_ids for i in ids] == expected["keep"]  # type: ignore[attr-defined]
     assert sum(step.previous_rows is not None for step in seen) > 0
 

@@ -232,4 +232,5 @@ def test_async_scheduling_true_is_refused_where_it_cannot_overlap() -> None:
     assert not EngineConfig.create(TARGET, **torchrun).overlaps_steps  # type: ignore[arg-type]
     assert not EngineConfig.create(TARGET, async_scheduling=False).overlaps_steps
     assert EngineConfig.create(TARGET).overlaps_steps
-    assert EngineConfig.create(TARGET, tensor_parallel_size=2).overlaps_steps  # "mp"
+    assert not EngineConfig.create(TARGET, tensor_parallel_size=2).overlaps_steps  # "mp": asked
+    assert EngineConfig.create(TARGET, tensor_parallel_size=2, async_scheduling=True).overlaps_steps
