@@ -234,3 +234,18 @@ def test_async_scheduling_true_is_refused_where_it_cannot_overlap() -> None:
     assert EngineConfig.create(TARGET).overlaps_steps
     assert not EngineConfig.create(TARGET, tensor_parallel_size=2).overlaps_steps  # "mp": asked
     assert EngineConfig.create(TARGET, tensor_parallel_size=2, async_scheduling=True).overlaps_steps
+
+
+def test_overlap_cannot_be_turned_on_for_calls_that_run_to_their_results() -> None:
+    """An executor without ``launch`` (Ray actors, ``torchrun`` ranks) runs each call to its
+    results: asking it to overlap raises and leaves it synchronous."""
+    from dormant.engine.calls_in_flight import CallsInFlight
+
+    class Synchronous:  # the Executor protocol, without launch
+        world_size = 1
+
+    calls = CallsInFlight(Synchronous(), overlaps=True)  # type: ignore[arg-type]
+    assert not calls.overlaps
+    with pytest.raises(ValueError, match="cannot overlap"):
+        calls.overlaps = True
+    assert not calls.overlaps
