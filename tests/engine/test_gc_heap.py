@@ -56,9 +56,14 @@ def test_garbage_of_the_start_up_is_collected_before_the_freeze(checkpoint) -> N
 
 
 def test_a_heap_frozen_by_someone_else_is_left_as_it_is(checkpoint) -> None:
-    gc.freeze()
-    frozen = gc.get_freeze_count()
+    before = Cycle()
+    seen = weakref.ref(before)
+    gc.freeze()  # someone else's freeze, holding the cycle
+    del before
     llm = LLM(str(checkpoint), max_model_len=64)
-    assert gc.get_freeze_count() == frozen
     llm.shutdown()
-    assert gc.get_freeze_count() == frozen  # not unfrozen by the engine
+    # The count is no measure: a frozen object that dies by reference counting lowers it
+    # (CI saw 622370 become 622368). A frozen cycle outliving a full collection is.
+    gc.collect()
+    assert gc.get_freeze_count() > 0
+    assert seen() is not None  # not unfrozen by the engine, neither at start-up nor shutdown
