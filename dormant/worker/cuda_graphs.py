@@ -190,7 +190,7 @@ class DecodeGraphs:
 
     def _steps(self, bs: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """The multi-step graph's body: ``num_steps`` decode steps of the ``bs`` rows the
-        buffers hold (``load_multi_step``), each sampled as ``ModelRunner._sample`` samples
+        buffers hold (``load_multi_step``), each sampled as ``StepSampler.sample`` samples
         an unfiltered batch, tokens into ``tokens`` [N, bs] and packed logprobs into
         ``logprobs`` [N, bs, w]. Runs eagerly too (the CPU tests check it against single
         steps); it never synchronizes with the host."""

@@ -14,13 +14,11 @@ it reads step N (its async scheduling, ``worker/pending_step.py``). A decode row
 then takes its input token from step N's last sampled tokens on the device
 (``StepInput.previous_rows``), which the host has not read yet.
 
-Sampling after the logits, in vLLM's order (``worker/sampler.py``, ``worker/penalties.py``):
-raw logprobs → bad words, ``min_tokens``, penalties → greedy argmax, or temperature, min-p,
-top-k, top-p and a seeded draw → processed logprobs → gather the sampled token's and the top-k.
+Sampling after the logits, and the logprobs asked for, are ``worker/step_sampler.py``'s.
 
 A fused multi-step decode (``execute_multi_step``) runs ``num_steps`` steps in one replay; each
-step samples in the graph as ``_sample`` samples (greedy rows and random rows without top-k,
-top-p or min-p alike), so its tokens and logprobs are those of single steps.
+step samples in the graph as ``StepSampler.sample`` samples (greedy rows and random rows without
+top-k, top-p or min-p alike), so its tokens and logprobs are those of single steps.
 
 A step with fork rows (``StepInput.has_forks``) runs eagerly: the forward computes the other
 rows, its ``block_copies`` follow it, and each fork row samples from its leader's logits row
@@ -44,16 +42,13 @@ from dormant.worker.block_copy import BlockCopier
 from dormant.worker.cuda_graphs import DecodeGraphs
 from dormant.worker.graph_sampling import is_unfiltered
 from dormant.worker.input_buffers import InputBuffers, Staging
-from dormant.worker.logprobs import packed_logprobs, packed_width, trim_top
-from dormant.worker.penalties import LogitsProcessors
+from dormant.worker.logprobs import trim_top
 from dormant.worker.pending_step import HostCopies, PendingStep, StagingFence
-from dormant.worker.sampler import SamplingTensors, sample_and_process
+from dormant.worker.step_sampler import StepSampler, max_logprobs
 
 # The fused multi-step graph carries the sampled token's logprob and rank and at most this many
 # top logprobs (fewer when max_logprobs is smaller); a batch asking for more runs single steps.
 MAX_MULTI_STEP_TOP_LOGPROBS = 20
-# Prompt positions whose logits are materialised at once for prompt logprobs ([chunk, V]).
-PROMPT_LOGPROBS_CHUNK = 512
 
 
 class ModelRunner:
@@ -69,15 +64,13 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.inputs = InputBuffers(mm, config, null_block)
         self.graphs: DecodeGraphs | None = None
-        self.logprobs_mode: LogprobsMode = config.logprobs_mode
+        self.sampler = StepSampler(self.vocab_size, config.logprobs_mode, self.device)
         max_logprobs = config.max_logprobs  # -1: the whole vocabulary, more than a graph carries
         self.multi_step_top_logprobs = (
             MAX_MULTI_STEP_TOP_LOGPROBS
             if max_logprobs < 0
             else min(max_logprobs, MAX_MULTI_STEP_TOP_LOGPROBS)
         )
-        self._penalty_staging = Staging(self.device)
-        self._prompt_staging = Staging(self.device)
         self._host_copies = HostCopies(self.device)
         self._staging_fence = StagingFence(self.device)
         # The last launch's last sampled token per row, on the device: what the next launch's
@@ -133,7 +126,7 @@ class ModelRunner:
         else:
             logits, prompt = self._eager(step)
         self.block_copier.copy(step.block_copies)
-        tokens, logprobs = self._sample(logits, step.seqs)
+        tokens, logprobs = self.sampler.sample(logits, step.seqs)
         self._staging_fence.record()
         self._last_tokens = self.inputs.keep_last_tokens(tokens)
         parts = [tokens, *(p for p in (logprobs, prompt) if p is not None)]
@@ -172,12 +165,21 @@ class ModelRunner:
         num_seqs = len(step.seqs)
         tokens = captured.output[:, :num_seqs]
         self._last_tokens = tokens[-1]  # the graph's own output buffer, in ``runtime``
-        logprobs, num_top = None, _max_logprobs(step.seqs, self.vocab_size)
+        logprobs, num_top = None, max_logprobs(step.seqs, self.vocab_size)
         if num_top is not None:
             assert captured.logprobs is not None
             logprobs = trim_top(captured.logprobs[:, :num_seqs], num_top)
         parts = [tokens, *([] if logprobs is None else [logprobs])]
         return self._start_copy(parts, step.seqs, self.graphs.num_steps, logprobs, None)
+
+    @property
+    def logprobs_mode(self) -> LogprobsMode:
+        """The logprobs the steps report (the sampler's); graphs keep the one they baked in."""
+        return self.sampler.logprobs_mode
+
+    @logprobs_mode.setter
+    def logprobs_mode(self, mode: LogprobsMode) -> None:
+        self.sampler.logprobs_mode = mode
 
     @property
     def is_logits_patched(self) -> bool:
@@ -193,7 +195,7 @@ class ModelRunner:
         words, ``min_tokens`` mask or penalties; at most the top logprobs it carries, in the
         logprobs mode it was captured with (raw or processed, logprobs or logits).
         """
-        num_top = _max_logprobs(seqs, self.vocab_size)
+        num_top = max_logprobs(seqs, self.vocab_size)
         if num_top is not None and num_top > self.multi_step_top_logprobs:
             return False
         captured_mode = self.logprobs_mode if self.graphs is None else self.graphs.logprobs_mode
@@ -226,27 +228,6 @@ class ModelRunner:
             merged.append(SeqOutput(token_ids, tuple(logprobs) if logprobs else None))
         return StepOutput(tuple(merged))
 
-    def _sample(
-        self, logits: torch.Tensor, seqs: SequenceOf[SeqInput]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sampled tokens (int64 [n]) and, when any row asks, packed logprobs of them."""
-        mode = self.logprobs_mode
-        num_top = _max_logprobs(seqs, self.vocab_size)
-        processors = LogitsProcessors.build(seqs, self.vocab_size, self._penalty_staging)
-        raw = None  # the logits the raw modes report on, kept from the processors' writes
-        if num_top is not None and mode.startswith("raw"):
-            raw = logits.clone() if processors is not None else logits
-        if processors is not None:
-            logits = logits.contiguous()
-            processors.apply(logits)
-        sampling = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
-        keep_processed = num_top is not None and mode.startswith("processed")
-        tokens, processed = sample_and_process(logits, sampling, keep_processed)
-        values = processed if processed is not None else raw
-        if values is None or num_top is None:
-            return tokens, None
-        return tokens, packed_logprobs(values, tokens, num_top, mode)
-
     def _eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits of each sequence's last position (a fork row's: its leader's), and packed
         prompt logprobs of the rows that ask for them (None when none does)."""
@@ -261,31 +242,8 @@ class ModelRunner:
         if logits_rows is not None:
             (rows,), _ = self._fork_staging.stage([np.asarray(logits_rows, np.int64)])
             logits = logits[rows]
-        return logits, self._prompt_logprobs(computing.seqs, hidden)
-
-    def _prompt_logprobs(
-        self, seqs: SequenceOf[SeqInput], hidden: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Packed logprobs of each actual next prompt token, at every computed position of the
-        rows with ``compute_prompt_logprobs`` but their last, in row order. Always the raw
-        log-softmax, as vLLM's prompt logprobs are."""
-        rows = [(r, s) for r, s in enumerate(seqs) if s.compute_prompt_logprobs]
-        if not rows:
-            return None
-        num_top = max(_num_logprobs(s.params.prompt_logprobs, self.vocab_size) for _, s in rows)
-        starts = np.cumsum([0, *(len(s.token_ids) for s in seqs)])
-        positions = [np.arange(starts[r], starts[r + 1] - 1) for r, _ in rows]
-        targets = [np.asarray(s.token_ids[1:], np.int64) for _, s in rows]
-        (positions_t, targets_t), _ = self._prompt_staging.stage(
-            [np.concatenate(positions), np.concatenate(targets)]
-        )
-        packs = []
-        for first in range(0, positions_t.shape[0], PROMPT_LOGPROBS_CHUNK):
-            chunk = slice(first, first + PROMPT_LOGPROBS_CHUNK)
-            chunk_logits = self.model.compute_logits(hidden[positions_t[chunk]])
-            packs.append(packed_logprobs(chunk_logits, targets_t[chunk], num_top, "raw_logprobs"))
-        empty = torch.empty((0, packed_width(num_top)), dtype=torch.int32, device=self.device)
-        return torch.cat([empty, *packs])
+        prompt = self.sampler.prompt_logprobs(computing.seqs, hidden, self.model.compute_logits)
+        return logits, prompt
 
     def _start_copy(
         self,
@@ -300,16 +258,3 @@ class ModelRunner:
         width = None if logprobs is None else logprobs.shape[-1]
         prompt_width = None if prompt is None else prompt.shape[-1]
         return self._host_copies.start(parts, seqs, num_steps, (width, prompt_width))
-
-
-def _num_logprobs(requested: int | bool | None, vocab_size: int) -> int:
-    """vLLM's count: ``-1`` is the whole vocabulary (True, as vLLM takes it, is 1)."""
-    count = int(requested or 0)
-    return vocab_size if count < 0 else min(count, vocab_size)
-
-
-def _max_logprobs(seqs: SequenceOf[SeqInput], vocab_size: int) -> int | None:
-    """The most top logprobs any row asks for, or None when no row asks for logprobs."""
-    asked = {s.params.logprobs for s in seqs}  # each distinct count once (a batch shares few)
-    asked.discard(None)
-    return max(_num_logprobs(k, vocab_size) for k in asked) if asked else None

@@ -49,7 +49,7 @@ from dormant.worker.draft_decoder import DraftDecoder
 from dormant.worker.draft_model import DraftModel
 from dormant.worker.input_buffers import Staging
 from dormant.worker.logprobs import HostCopy, packed_logprobs
-from dormant.worker.model_runner import ModelRunner, _max_logprobs
+from dormant.worker.model_runner import ModelRunner
 from dormant.worker.mtp_decoder import MTPDecoder
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.mtp_rounds import MTPRoundDrafts
@@ -61,6 +61,7 @@ from dormant.worker.spec_outputs import read_outputs, with_draft_computed
 from dormant.worker.spec_round_drafts import ModelRoundDrafts, RoundDrafts
 from dormant.worker.spec_round_steps import run_rounds_singly
 from dormant.worker.spec_rounds import SpecRounds
+from dormant.worker.step_sampler import max_logprobs
 from dormant.worker.target_verifier import TargetVerifier
 
 _PASS_ARRAYS = 5  # PassLayout.arrays()
@@ -230,12 +231,14 @@ class SpecStep:
         plain_tokens, plain_logprobs, prompt = None, None, None
         if plain_seqs:
             assert hidden is not None
-            plain_tokens, plain_logprobs = runner._sample(
+            plain_tokens, plain_logprobs = runner.sampler.sample(
                 runner.model.compute_logits(hidden[plain_index]), plain_seqs
             )
             parts.append(plain_tokens)
         if hidden is not None:
-            prompt = runner._prompt_logprobs(target_seqs, hidden)
+            prompt = runner.sampler.prompt_logprobs(
+                target_seqs, hidden, runner.model.compute_logits
+            )
         extras = [p for p in (spec_logprobs, plain_logprobs, prompt) if p is not None]
         self._host_copy.start(parts + extras)
         return self._outputs(seqs, layout, spec_logprobs, plain_logprobs, prompt)
@@ -271,7 +274,7 @@ class SpecStep:
     ) -> torch.Tensor | None:
         """Packed logprobs of every verified position's emitted token, from the target's
         logits there ([n_spec * (k_max + 1), w]), or None when no drafting row asks."""
-        num_top = _max_logprobs(spec_seqs, self.vocab_size)
+        num_top = max_logprobs(spec_seqs, self.vocab_size)
         if num_top is None:
             return None
         flat = logits.reshape(-1, logits.shape[-1])

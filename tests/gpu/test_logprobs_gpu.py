@@ -165,7 +165,7 @@ def test_sampling_with_logprobs_and_penalties_never_syncs(make_worker) -> None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.inference_mode():
-            tokens, packed = runner._sample(logits, seqs)
+            tokens, packed = runner.sampler.sample(logits, seqs)
             assert packed is not None
             pending = runner._start_copy([tokens, packed], seqs, 1, packed, None)
     finally:
