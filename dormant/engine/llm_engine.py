@@ -6,10 +6,10 @@ reaches the engine as each rank's ``RankSleepState``. ``EngineSleep`` (``engine_
 carries out sleep, pause and wake, in-flight requests first, by mode. Start-up, and what the
 engine learns in it, is ``engine_start.py``.
 
-Async scheduling (``config.async_scheduling``): a step queues the next decode call before it
-reads the one in flight (``engine/successor.py``), so the device computes while the host applies
-tokens; every command to the workers first completes the calls in flight
-(``engine/calls_in_flight.py``: the drain rule).
+A step (``engine/step_pipeline.py``) schedules, launches and reads back the workers' model
+calls; with async scheduling it queues the next call before it reads the one in flight, and
+every command to the workers first completes the calls in flight (the drain rule,
+``engine/calls_in_flight.py``).
 
 The prefix cache is never stale (DESIGN §3 invariant 10): before each schedule the engine drops
 it if any rank's weights or KV changed since (``kv_epoch.py``). ``reset_prefix_cache()`` is for
@@ -27,9 +27,8 @@ import torch
 from dormant.core.commands import PUBLIC_RPC, Command
 from dormant.core.config import EngineConfig
 from dormant.core.sampling_params import SamplingParams
-from dormant.engine.batch import ScheduledBatch
 from dormant.engine.block_manager import BlockManager
-from dormant.engine.calls_in_flight import CallsInFlight, DrainingExecutor
+from dormant.engine.calls_in_flight import DrainingExecutor
 from dormant.engine.engine_sleep import EngineSleep
 from dormant.engine.engine_start import (
     EngineRuntime,
@@ -49,7 +48,7 @@ from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import SequenceFactory
 from dormant.engine.sleep_control import SleepControl
 from dormant.engine.spec_stats import SpecDecodeStats
-from dormant.engine.speculation import record_step
+from dormant.engine.step_pipeline import StepPipeline
 from dormant.engine.tokenizer import Tokenizer
 from dormant.executors import Executor, UniprocExecutor, make_executor
 from dormant.worker.refit_record import RefitReport
@@ -63,7 +62,7 @@ class LLMEngine:
             started = start_workers(self.executor)
             self.sleep_control = SleepControl(started.ranks)
             # Every command after start-up goes through here: it drains the calls in flight.
-            self._commands = DrainingExecutor(self.executor, self._drain)
+            self._commands = DrainingExecutor(self.executor, lambda: self._steps.drain())
             self.refits = WeightRefits(self._commands, self._refresh_sleep_state)
         except BaseException:
             self.executor.shutdown()
@@ -92,8 +91,15 @@ class LLMEngine:
         )
         self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
         self.model_config = ModelConfigView.of(config)
-        self._calls = CallsInFlight(self.executor, config.overlaps_steps)
-        self._drained: list[RequestOutput] = []  # finished by calls a command drained
+        self._steps = StepPipeline(
+            self.executor,
+            config.overlaps_steps,
+            lambda: self.scheduler,
+            self.outputs,
+            self.runtime.eos_token_ids,
+            self.spec_decode_stats,
+            prepare=self._prepare_schedule,
+        )
         self._sleep = EngineSleep(
             config,
             self._commands,
@@ -102,7 +108,7 @@ class LLMEngine:
             abort_all=lambda: self.abort_request(),
             step=lambda: self.step(),
             refresh=lambda: self._refresh_sleep_state(),
-            drain=lambda: self._drain(),
+            drain=lambda: self._steps.drain(),
         )
         self._heap = FrozenHeap()
         self._heap.freeze()  # last: the start-up's objects are never traversed again
@@ -141,7 +147,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work: requests to run, a call in flight to read back, or
         requests a drained call finished that it has yet to return."""
-        return self.scheduler.has_unfinished or bool(self._calls) or bool(self._drained)
+        return self.scheduler.has_unfinished or self._steps.has_work
 
     @property
     def async_scheduling(self) -> bool:
@@ -149,19 +155,22 @@ class LLMEngine:
         (benchmarks compare both on one engine): it applies from the next step on; True
         raises ``ValueError`` where the calls cannot overlap (Ray actors, ``torchrun`` ranks,
         speculative decoding)."""
-        return self._calls.overlaps
+        return self._steps.overlaps
 
     @async_scheduling.setter
     def async_scheduling(self, value: bool) -> None:
-        if value and self.spec_decode_stats is not None:
-            raise ValueError("speculative decoding's steps cannot be launched ahead")
-        self._calls.overlaps = value
+        self._steps.overlaps = value
+
+    @property
+    def num_calls_in_flight(self) -> int:
+        """Model calls launched and not yet read back (at most one between steps, with async
+        scheduling; none without)."""
+        return len(self._steps)
 
     def pop_drained_outputs(self) -> list[RequestOutput]:
         """The requests finished by calls that a command drained, once (the drain rule,
         ``engine/calls_in_flight.py``); ``step`` returns them too."""
-        drained, self._drained = self._drained, []
-        return drained
+        return self._steps.pop_drained()
 
     def request_output(self, request_id: int) -> RequestOutput | None:
         """An unfinished request as it stands (its output so far), for streaming; None once it
@@ -179,63 +188,19 @@ class LLMEngine:
         self.sleep_control.check_can_generate()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step; returns the requests that finished in it.
+        """Runs one scheduling step; returns the requests that finished in it (and those that
+        calls a command drained finished before it: ``pop_drained_outputs``).
 
         With async scheduling the step reads back the call in flight (launching one first if
         none is) and, before applying its tokens, queues the call after it where its plan
-        cannot depend on them (``Scheduler.schedule_successor``)."""
-        finished = self.pop_drained_outputs()
-        calls = self._calls
-        if not len(calls):
-            if not self.scheduler.has_unfinished:
-                return finished
-            self.check_can_generate()
-            self._kv_epoch.invalidate_if_stale()
-            batch = self.scheduler.schedule()
-            assert batch is not None
-            self._launch(batch)
-        batch, _ = calls.oldest()
-        if calls.overlaps and len(calls) == 1:
-            successor = self.scheduler.schedule_successor(batch)
-            if successor is not None:
-                self._launch(successor)
-        return finished + self._complete_oldest()
+        cannot depend on them (``StepPipeline.step``)."""
+        return self._steps.step()
 
-    def _launch(self, batch: ScheduledBatch) -> None:
-        try:
-            self._calls.launch(batch, batch.step_input(self.runtime.eos_token_ids))
-        except BaseException:
-            self._discard_calls()
-            raise
-
-    def _complete_oldest(self) -> list[RequestOutput]:
-        """Reads the oldest call back and applies it; returns the requests it finished."""
-        batch, pending = self._calls.pop_oldest()
-        try:
-            output = pending.result()
-        except BaseException:
-            self._discard_calls()
-            raise
-        num_before = [seq.num_output_tokens for seq in batch.seqs]
-        tokens = [list(seq.token_ids) for seq in output.seqs]
-        if self.spec_decode_stats is not None:
-            record_step(batch.seqs, batch.num_draft_tokens, output, self.spec_decode_stats)
-        draft_computed = [seq.num_draft_computed_tokens for seq in output.seqs]
-        finished = self.scheduler.postprocess_steps(
-            batch, tokens, self.outputs.on_token, draft_computed
-        )
-        self.outputs.record_step(batch.seqs, output.seqs, num_before)
-        return self.outputs.pop_finished(finished)
-
-    def _discard_calls(self) -> None:
-        """After a failed call: every running sequence is redone from recomputed KV."""
-        self._calls.clear()
-        self.scheduler.preempt_all()
-
-    def _drain(self) -> None:
-        """Completes every call in flight (the drain rule); keeps what they finished."""
-        while len(self._calls):
-            self._drained += self._complete_oldest()
+    def _prepare_schedule(self) -> None:
+        """Before a batch is scheduled from scratch: the engine can generate, and the prefix
+        cache holds no KV of weights or memory since changed."""
+        self.check_can_generate()
+        self._kv_epoch.invalidate_if_stale()
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
 
@@ -354,7 +319,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._heap.unfreeze()  # first: the workers' frees may need cycles collected
         try:
-            self._drain()  # no rank frees memory a call in flight still uses
+            self._steps.drain()  # no rank frees memory a call in flight still uses
         finally:
             self.executor.shutdown()
 

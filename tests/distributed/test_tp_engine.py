@@ -90,7 +90,7 @@ def test_tp2_queues_calls_ahead_and_reads_every_reply_in_order(tp2: LLM, expecte
         outs: dict[str, object] = {}
         for _ in range(3):
             outs.update({o.request_id: o for o in engine.step()})
-        assert len(engine._calls) == 1  # a call in flight
+        assert engine.num_calls_in_flight == 1  # a call in flight
         assert len(tp2.memory_status()) == 2
         while engine.has_unfinished_requests():
             outs.update({o.request_id: o for o in engine.step()})

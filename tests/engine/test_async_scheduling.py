@@ -155,9 +155,9 @@ def test_a_command_between_steps_drains_the_call_in_flight(make_llm, checkpoint:
     engine.add_request(PROMPTS[1], params)
     engine.step()  # the prefill (a successor follows decodes only)
     engine.step()  # the first decode, and the second queued behind it
-    assert len(engine._calls) == 1
+    assert engine.num_calls_in_flight == 1
     finished = engine.sleep(level=1)  # drains, then aborts the rest
-    assert len(engine._calls) == 0
+    assert engine.num_calls_in_flight == 0
     assert sorted(o.outputs[0].finish_reason for o in finished) == ["abort", "length"]
     assert not engine.has_unfinished_requests()
     llm.wake_up()
@@ -174,11 +174,11 @@ def test_reading_the_memory_status_between_steps_keeps_the_call_in_flight(
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     engine.step()
     engine.step()
-    assert len(engine._calls) == 1
+    assert engine.num_calls_in_flight == 1
     assert llm.memory_status()[0].prefix_cache is not None
-    assert len(engine._calls) == 1
+    assert engine.num_calls_in_flight == 1
     llm.collective_rpc("verify_guards")
-    assert len(engine._calls) == 0
+    assert engine.num_calls_in_flight == 0
 
 
 def test_a_refit_between_steps_tags_the_drained_tokens_with_the_old_weights(
@@ -190,9 +190,9 @@ def test_a_refit_between_steps_tags_the_drained_tokens_with_the_old_weights(
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     engine.step()  # the prefill
     engine.step()  # a decode, the next queued behind it
-    assert len(engine._calls) == 1
+    assert engine.num_calls_in_flight == 1
     llm.update_weights(hf_state_dict(2), weight_version="v2")  # drains first
-    assert len(engine._calls) == 0 and engine.has_unfinished_requests()
+    assert engine.num_calls_in_flight == 0 and engine.has_unfinished_requests()
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -220,7 +220,7 @@ def test_a_failed_call_ahead_recomputes_and_loses_nothing(make_llm, checkpoint: 
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     engine = llm.llm_engine
-    assert len(engine._calls) == 0  # both calls discarded, the one in flight with it
+    assert engine.num_calls_in_flight == 0  # both calls discarded, the one in flight with it
     assert not engine.has_unfinished_requests()  # generate aborted its requests
     assert_same(completions(llm, params), expected)
 
