@@ -82,7 +82,7 @@ def decode_tokens_per_s(llm: LLM, context: int, num_tokens: int, repeats: int) -
 
 
 def rounds_replays(llm: LLM) -> int:
-    spec_step = llm.llm_engine.executor.worker._spec_step
+    spec_step = llm.llm_engine.executor.worker.steps.spec_step
     rounds = None if spec_step is None else spec_step.rounds
     return 0 if rounds is None else rounds.num_replays
 

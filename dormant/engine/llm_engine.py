@@ -97,7 +97,7 @@ class LLMEngine:
             lambda: self.scheduler,
             self.outputs,
             self.runtime.eos_token_ids,
-            self.spec_decode_stats,
+            lambda: self.spec_decode_stats,
             prepare=self._prepare_schedule,
         )
         self._sleep = EngineSleep(

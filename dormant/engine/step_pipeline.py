@@ -28,9 +28,10 @@ from dormant.executors import Executor
 class StepPipeline:
     """The calls in flight between the scheduler and the executor, and what they finished.
 
-    ``scheduler`` is read at each step (benchmarks and tests swap the engine's); ``prepare``
-    runs before each batch is scheduled from scratch (the engine's checks that it can
-    generate, and its prefix-cache epoch)."""
+    ``scheduler`` and ``spec_decode_stats`` are read at each step (benchmarks and tests swap
+    the engine's; None: no speculative decoding); ``prepare`` runs before each batch is
+    scheduled from scratch (the engine's checks that it can generate, and its prefix-cache
+    epoch)."""
 
     def __init__(
         self,
@@ -39,7 +40,7 @@ class StepPipeline:
         scheduler: Callable[[], Scheduler],
         outputs: OutputProcessor,
         eos_token_ids: frozenset[int],
-        spec_decode_stats: SpecDecodeStats | None,
+        spec_decode_stats: Callable[[], SpecDecodeStats | None],
         prepare: Callable[[], None],
     ) -> None:
         self._calls = CallsInFlight(executor, overlaps)
@@ -63,7 +64,7 @@ class StepPipeline:
 
     @overlaps.setter
     def overlaps(self, value: bool) -> None:
-        if value and self._spec_decode_stats is not None:
+        if value and self._spec_decode_stats() is not None:
             raise ValueError("speculative decoding's steps cannot be launched ahead")
         self._calls.overlaps = value
 
@@ -114,8 +115,9 @@ class StepPipeline:
             raise
         num_before = [seq.num_output_tokens for seq in batch.seqs]
         tokens = [list(seq.token_ids) for seq in output.seqs]
-        if self._spec_decode_stats is not None:
-            record_step(batch.seqs, batch.num_draft_tokens, output, self._spec_decode_stats)
+        spec_stats = self._spec_decode_stats()
+        if spec_stats is not None:
+            record_step(batch.seqs, batch.num_draft_tokens, output, spec_stats)
         draft_computed = [seq.num_draft_computed_tokens for seq in output.seqs]
         outputs = self._outputs
         finished = self._scheduler().postprocess_steps(

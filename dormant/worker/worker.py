@@ -41,9 +41,9 @@ from dormant.worker.model_runner import ModelRunner
 from dormant.worker.mtp_draft import MTPDraftModel
 from dormant.worker.pending_step import PendingStep
 from dormant.worker.rank_sleep import RankSleep, captures_collectives
+from dormant.worker.rank_steps import RankSteps
 from dormant.worker.refit import Refitter, TensorPayload, check_awake
 from dormant.worker.refit_record import RefitRecord, RefitReport
-from dormant.worker.spec_step import SpecStep
 
 
 class Worker:
@@ -70,9 +70,8 @@ class Worker:
         self.device = self.mm.backend.device
         create_communicator(get_tp_group(), self.mm.residual)  # its memory measured, as its own
         self._model: CausalLM | None = None
-        self._runner: ModelRunner | None = None
+        self._steps: RankSteps | None = None
         self.draft: DraftModel | MTPDraftModel | None = None  # speculative decoding's draft
-        self._spec_step: SpecStep | None = None
         self.refits = RefitRecord(())  # replaced once the model is built
         self.refitter = Refitter(config, self.mm, lambda: self.model, rank, lambda: self.draft)
         self.comm_sleep = CommunicatorSleep(
@@ -120,10 +119,14 @@ class Worker:
         return self._model
 
     @property
-    def runner(self) -> ModelRunner:
-        if self._runner is None:
+    def steps(self) -> RankSteps:
+        if self._steps is None:
             raise RuntimeError("the KV cache is not initialised yet")
-        return self._runner
+        return self._steps
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.steps.runner
 
     @property
     def model_config(self) -> ModelConfig:
@@ -195,49 +198,25 @@ class Worker:
         """
         model = self.model
         allocate_kv_cache(self.mm, model, kv_cache_spec(model, self.config), num_blocks + 1)
-        self._runner = ModelRunner(self.config, model, self.mm, null_block=num_blocks)
         self.mm.guard_addresses(
             "kv_cache", lambda: [a.checked_cache() for a in model.attention_layers()]
         )
-        self.mm.guard_addresses("model_runner.inputs", self.runner.inputs.tensors)
-        if self.draft is not None:  # its KV, guarded, and the step that drafts and verifies
-            self._spec_step = SpecStep.create(self.runner, self.draft, num_blocks)
-        spec_step = self._spec_step  # its decodes run its rounds, not the plain multi-step graph
-        if self.mm.backend.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_graphs(multi_steps=1 if spec_step is not None else None)
-            if spec_step is not None:
-                spec_step.capture_graphs()
+        self._steps = RankSteps(self.config, self.mm, model, self.draft, num_blocks)
         if self.config.enable_sleep_mode and self.config.prepare_sleep_arena:
             self.mm.prepare_arena(level=1)  # in the background: the first sleep then only copies
-        graphs = self.runner.graphs
-        if spec_step is not None or graphs is None:
-            return 0 if spec_step is None else spec_step.max_rounds_rows
-        return max(graphs.multi_step, default=0)
+        return self._steps.max_multi_step_rows
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.steps.execute(step)
 
     def execute_multi_step(self, step: StepInput) -> StepOutput:
         """``cuda_graph_multi_steps`` decode steps, or speculative rounds, in one call."""
-        if self._spec_step is not None:
-            return self._spec_step.execute_rounds(step)
-        return self.runner.execute_multi_step(step)
-
-    def execute(self, step: StepInput) -> StepOutput:
-        if self._spec_step is not None:
-            return self._spec_step.execute(step)
-        return self.runner.execute(step)
+        return self.steps.execute_multi_step(step)
 
     def launch(self, step: StepInput, multi_step: bool = False) -> PendingStep:
-        """Queues ``step`` (``execute``, or ``execute_multi_step`` when ``multi_step``) and
-        returns before its results are on the host: the engine's async scheduling. With
-        speculative decoding, whose steps read their drafts back on the way, it runs to its
-        results, and a step after one in flight (``previous_rows``) raises ``ValueError``."""
-        if self._spec_step is not None:
-            if step.previous_rows is not None:
-                raise ValueError("speculative decoding's steps cannot be queued ahead")
-            run = self.execute_multi_step if multi_step else self.execute
-            return PendingStep.done(run(step))
-        if multi_step:
-            return self.runner.launch_multi_step(step)
-        return self.runner.launch(step)
+        """Queues ``step`` and returns before its results are on the host: the engine's async
+        scheduling (``RankSteps.launch``)."""
+        return self.steps.launch(step, multi_step)
 
     def sleep(
         self, level: int, tags: Sequence[str] | None = None, release_context: bool = False
@@ -295,7 +274,7 @@ class Worker:
         owners = (self._model, None if self.draft is None else self.draft.model)
         for layer in (layer for o in owners if o is not None for layer in o.attention_layers()):
             layer.kv_cache = None
-        self._model, self._runner, self.draft, self._spec_step = None, None, None, None
+        self._model, self._steps, self.draft = None, None, None
         self.refitter.groups.destroy_all()
         gc.collect()
         if self.mm.backend.device.type == "cuda":

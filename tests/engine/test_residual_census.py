@@ -44,4 +44,4 @@ def test_the_census_finds_what_breaks_the_rule(make_llm, checkpoint) -> None:
     runner.cache = {"rows": [torch.ones(4)]}  # nested: found by its path
     runner.staged = host_staging(torch.zeros(8))  # declared host staging: left out
     runner.in_a_tag = worker.mm.empty((8,), torch.float32, WORKSPACE)
-    assert census(llm) == ["root._runner.scratch", "root._runner.cache['rows'][0]"]
+    assert census(llm) == ["root._steps.runner.scratch", "root._steps.runner.cache['rows'][0]"]

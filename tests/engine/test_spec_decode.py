@@ -146,7 +146,7 @@ def test_padded_draft_passes_change_nothing(spec_llm, baseline) -> None:
     rows write only the null block, so outputs and acceptance are as without padding. The
     "graph" here replays the same body eagerly."""
     llm = spec_llm(k=3)
-    decoder = llm.llm_engine.executor.worker._spec_step.decoder
+    decoder = llm.llm_engine.executor.worker.steps.spec_step.decoder
     graphs, size = decoder.graphs, 8
 
     class Replay:
@@ -178,7 +178,7 @@ def test_the_padded_verification_pass_pads_to_graph_sizes(spec_llm, baseline) ->
     padded up to a graph's batch size with rows in the null block, as on a GPU (the "graph"
     replays the same body eagerly): outputs and acceptance as without it."""
     llm = spec_llm(k=3)
-    verifier = llm.llm_engine.executor.worker._spec_step.verifier
+    verifier = llm.llm_engine.executor.worker.steps.spec_step.verifier
     size, calls = 8, []
     output = torch.empty((size * verifier.width, llm.llm_engine.config.model_config.vocab_size))
 

@@ -200,7 +200,7 @@ def _stand_in_graphs(llm: LLM, size: int = 8) -> list[int | None]:
     """Replaces the MTP decoder's graphs by stand-ins at batch size ``size`` that run the
     captured body eagerly (as a replay would, padding rows included); returns the replays'
     layers as they happen (None: the catch-up)."""
-    mtp = llm.llm_engine.executor.worker._spec_step.mtp
+    mtp = llm.llm_engine.executor.worker.steps.spec_step.mtp
     vocab = llm.llm_engine.config.model_config.vocab_size
     replays: list[int | None] = []
 
@@ -234,7 +234,7 @@ def test_mtp_passes_padded_to_graph_sizes_change_nothing(engines, mimo, referenc
     assert tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
     assert first_drafts == expected
     assert replays.count(None) >= 10 and replays.count(0) == 2 * replays.count(None)
-    assert llm.llm_engine.executor.worker._spec_step.mtp.num_graph_replays == len(replays)
+    assert llm.llm_engine.executor.worker.steps.spec_step.mtp.num_graph_replays == len(replays)
 
 
 def test_a_padding_that_writes_a_real_block_changes_the_drafts(engines, mimo, first_drafts):
@@ -247,6 +247,6 @@ def test_a_padding_that_writes_a_real_block_changes_the_drafts(engines, mimo, fi
     first_drafts.clear()
     llm = make(engines, path, k=3)
     _stand_in_graphs(llm)
-    llm.llm_engine.executor.worker._spec_step.mtp.null_block = 0
+    llm.llm_engine.executor.worker.steps.spec_step.mtp.null_block = 0
     llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert first_drafts != expected

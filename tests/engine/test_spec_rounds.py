@@ -31,7 +31,7 @@ def eager_rounds(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     def init_with_rounds(self: Worker, num_blocks: int) -> int:
         max_rows = init_kv_cache(self, num_blocks)
-        spec = self._spec_step
+        spec = self.steps.spec_step
         if spec is None or spec.rounds is None:
             return max_rows  # an engine without speculation
         capture_rounds_eagerly(spec.rounds, [1, 2, 4, 8])
@@ -59,7 +59,7 @@ def engines() -> Iterator[Callable[..., LLM]]:
 
 
 def replays(llm: LLM) -> int:
-    rounds = llm.llm_engine.executor.worker._spec_step.rounds
+    rounds = llm.llm_engine.executor.worker.steps.spec_step.rounds
     return sum(graph.num_replays for graph in rounds.graphs.values())
 
 

@@ -76,7 +76,7 @@ def make() -> Iterator:
 
 
 def spec_step(llm: LLM):  # type: ignore[no-untyped-def]
-    return llm.llm_engine.executor.worker._spec_step
+    return llm.llm_engine.executor.worker.steps.spec_step
 
 
 def counts(llm: LLM) -> tuple:

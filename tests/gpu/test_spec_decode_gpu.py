@@ -95,12 +95,12 @@ def graph_visible(llm: LLM) -> list[tuple[int, int]]:
     draft = worker.draft
     tensors += [*draft.model.parameters(), *(a.kv_cache for a in draft.model.attention_layers())]
     tensors += [] if draft.hidden_cache is None else [draft.hidden_cache]
-    rounds, decoder = worker._spec_step.rounds, worker._spec_step.decoder
+    rounds, decoder = worker.steps.spec_step.rounds, worker.steps.spec_step.decoder
     if rounds is not None:  # the fused rounds' state and outputs, the passes' inputs
         tensors += [*rounds.tensors(), *rounds.verifier.inputs.tensors()]
     if decoder is not None:
         tensors += decoder.inputs.tensors()
-    mtp = worker._spec_step.mtp
+    mtp = worker.steps.spec_step.mtp
     if mtp is not None:  # MTP's static inputs and its graphs' outputs
         captured = [mtp.catch_up_graphs, *mtp.step_graphs.values()]
         tensors += [*mtp.tensors(), *(out for g in captured for _, out in g.values())]
@@ -142,7 +142,7 @@ def test_lifecycle_level_2_with_speculation(engines, checkpoints) -> None:
     llm = make(engines, target, target, k=3)
     worker = llm.llm_engine.executor.worker
     assert worker.runner.graphs is not None  # the target's decode graphs were captured
-    rounds = worker._spec_step.rounds
+    rounds = worker.steps.spec_step.rounds
     assert rounds is not None and rounds.graphs  # greedy decodes replay the fused rounds
     addresses = graph_visible(llm)
     greedy = tokens(llm)
@@ -176,7 +176,7 @@ def test_mtp_greedy_identical(engines, mimo, k: int) -> None:
 
 def test_mtp_lifecycle_level_2(engines, mimo) -> None:
     llm = make(engines, mimo, "mtp", k=3)
-    rounds = llm.llm_engine.executor.worker._spec_step.rounds
+    rounds = llm.llm_engine.executor.worker.steps.spec_step.rounds
     assert rounds is not None and rounds.graphs  # greedy MTP decodes replay the fused rounds
     addresses = graph_visible(llm)
     before = tokens(llm, prompts=MIMO_PROMPTS), tokens(llm, SEEDED, MIMO_PROMPTS)
@@ -207,11 +207,11 @@ def test_fused_rounds_equal_single_rounds_and_decoding_without_speculation(
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     reference = tokens(make(engines, target), params)
     single = make(engines, target, other, k, engine_options={"cuda_graph_multi_steps": 1})
-    assert single.llm_engine.executor.worker._spec_step.rounds is None
+    assert single.llm_engine.executor.worker.steps.spec_step.rounds is None
     single_outputs = single.generate(PROMPTS, params, use_tqdm=False)
     llm = make(engines, target, other, k)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    assert llm.llm_engine.executor.worker._spec_step.rounds.num_replays > 0
+    assert llm.llm_engine.executor.worker.steps.spec_step.rounds.num_replays > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert_same_outputs(outputs, single_outputs, tolerance=1e-5)
 
@@ -219,11 +219,11 @@ def test_fused_rounds_equal_single_rounds_and_decoding_without_speculation(
 def test_spec_graphs_are_captured_and_match_the_eager_step(engines, checkpoints) -> None:
     target, other = checkpoints
     graphed = make(engines, target, other, k=3)
-    spec_step = graphed.llm_engine.executor.worker._spec_step
+    spec_step = graphed.llm_engine.executor.worker.steps.spec_step
     assert spec_step.decoder.is_captured and spec_step.verifier.graphs
     expected = tokens(graphed), tokens(graphed, SEEDED)
     eager = make(engines, target, other, k=3, enforce_eager=True)
-    assert not eager.llm_engine.executor.worker._spec_step.verifier.graphs
+    assert not eager.llm_engine.executor.worker.steps.spec_step.verifier.graphs
     assert (tokens(eager), tokens(eager, SEEDED)) == expected
 
 
@@ -236,9 +236,9 @@ def test_mtp_passes_replay_graphs_and_match_eager_across_a_level_2_cycle(engines
     reference = tokens(make(engines, mimo, is_mimo=True), prompts=MIMO_PROMPTS)
     eager = make(engines, mimo, "mtp", k=3, enforce_eager=True)
     assert tokens(eager, prompts=MIMO_PROMPTS) == reference
-    assert eager.llm_engine.executor.worker._spec_step.mtp.num_graph_replays == 0
+    assert eager.llm_engine.executor.worker.steps.spec_step.mtp.num_graph_replays == 0
     llm = make(engines, mimo, "mtp", k=3, engine_options={"cuda_graph_multi_steps": 1})
-    mtp = llm.llm_engine.executor.worker._spec_step.mtp
+    mtp = llm.llm_engine.executor.worker.steps.spec_step.mtp
     assert mtp.catch_up_graphs and mtp.step_graphs[0]  # MiMo's one layer drafts d_2, d_3
     addresses = graph_visible(llm)
     assert tokens(llm, prompts=MIMO_PROMPTS) == reference
@@ -269,10 +269,10 @@ def test_mtp_fused_rounds_equal_one_round_and_no_speculation(engines, tmp_path, 
     prompts = [*MIMO_PROMPTS, {"prompt_token_ids": list(range(10, 40))}]
     reference = tokens(make(engines, mimo, is_mimo=True), params, prompts)
     single = make(engines, mimo, "mtp", k, engine_options={"cuda_graph_multi_steps": 1})
-    assert single.llm_engine.executor.worker._spec_step.rounds is None
+    assert single.llm_engine.executor.worker.steps.spec_step.rounds is None
     single_outputs = single.generate(prompts, params, use_tqdm=False)
     llm = make(engines, mimo, "mtp", k)
-    rounds = llm.llm_engine.executor.worker._spec_step.rounds
+    rounds = llm.llm_engine.executor.worker.steps.spec_step.rounds
     assert rounds is not None and rounds.graphs
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert rounds.num_replays >= 2
