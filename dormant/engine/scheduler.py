@@ -54,15 +54,16 @@ the KV of the tokens the prefix cache does not give back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceOf
 
-from dormant.engine import admission, stopping
+from dormant.engine import admission
 from dormant.engine.batch import ScheduledBatch, SchedulerConfig
 from dormant.engine.block_manager import BlockManager
 from dormant.engine.forks import Forks
 from dormant.engine.sequence import FinishReason, Sequence, SequenceStatus
 from dormant.engine.step_planner import StepPlanner
+from dormant.engine.step_tokens import StopRules, TokenHook, append_step_tokens
 from dormant.engine.successor import plan_successor
 from dormant.errors import EngineError
 
@@ -77,12 +78,6 @@ class RequestTooLongError(SchedulerError, ValueError):
 
 class DuplicateSequenceError(SchedulerError, ValueError):
     """A sequence id was added while a sequence with that id is still unfinished."""
-
-
-# Called for each token appended, after the token-level stop checks: (sequence, token id,
-# whether the token itself stops the sequence) -> the stop string the text now ends with, or
-# None. The engine's output processor detokenizes there.
-TokenHook = Callable[[Sequence, int, bool], str | None]
 
 
 class Scheduler:
@@ -220,27 +215,8 @@ class Scheduler:
             )
         batch.check_token_ids(token_ids)
         self._in_flight.popleft()
-        finished: list[Sequence] = []
-        num_drafts = batch.num_draft_tokens
-        rows = zip(batch.seqs, batch.num_new_tokens, token_ids, strict=True)
-        for row, (seq, num_new, tokens) in enumerate(rows):
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens += (num_new - num_drafts[row]) if num_drafts else num_new
-            num_draft_computed = None if draft_computed is None else draft_computed[row]
-            if num_draft_computed is not None:
-                seq.num_draft_computed_tokens = num_draft_computed
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a chunk of its prompt: what it sampled is not a token of it
-            # Per token (up to num_steps a row): Sequence's properties read directly.
-            num_prompt, outputs = len(seq.prompt_token_ids), seq.output_token_ids
-            for token_id in tokens:
-                if seq.status is SequenceStatus.FINISHED:
-                    break
-                seq.num_computed_tokens = num_prompt + len(outputs)  # its num_tokens
-                outputs.append(token_id)  # append_token: the check above is its own
-                if self._apply_stops(seq, token_id, on_token):
-                    finished.append(seq)
+        stops = StopRules(self.eos_token_ids, self.config.max_model_len, on_token, self._finish)
+        finished = append_step_tokens(batch, token_ids, stops, draft_computed)
         if finished:
             _drop_finished(self._running)
         for successor in self._in_flight:
@@ -281,21 +257,6 @@ class Scheduler:
             self._preempt(self._running.pop())
 
     # ── sequence transitions ───────────────────────────────────────────────────────────────────
-
-    def _apply_stops(self, seq: Sequence, token_id: int, on_token: TokenHook | None) -> bool:
-        """Finishes ``seq`` if its newest token ``token_id`` stops it; returns whether it did."""
-        reason, stop_token_id = stopping.finish_reason(
-            seq, token_id, self.eos_token_ids, self.config.max_model_len
-        )
-        stop_reason: int | str | None = stop_token_id
-        if on_token is not None:
-            stop_string = on_token(seq, token_id, reason is FinishReason.STOP)
-            if stop_string is not None:
-                reason, stop_reason = FinishReason.STOP, stop_string
-        if reason is None:
-            return False
-        self._finish(seq, reason, stop_reason)
-        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees ``seq`` (removed from `running` by the caller) and puts it at the front of
