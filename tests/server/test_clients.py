@@ -90,7 +90,6 @@ def test_32_clients_with_a_sleep_wake_and_a_refit_mid_load(start_server, model_d
         done.set()
 
     admin_thread = threading.Thread(target=admin)
-    start = time.monotonic()
     admin_thread.start()
     with ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(one, i) for i in range(num_requests)]
@@ -98,7 +97,7 @@ def test_32_clients_with_a_sleep_wake_and_a_refit_mid_load(start_server, model_d
             replies.append(future.result())
     admin_thread.join(timeout=60)
     assert done.is_set() and errors == []
-    assert len(replies) == num_requests and time.monotonic() - start < 180
+    assert len(replies) == num_requests  # none hung: as_completed's timeout bounds the wait
     for status, body in replies:
         # a request arriving while asleep is refused (503); none is lost, hung or malformed
         assert status in (200, 503), body
