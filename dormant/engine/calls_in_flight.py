@@ -1,7 +1,7 @@
 """The engine's model calls in flight, and the worker commands that wait for them.
 
 Without async scheduling a call is read back as soon as it is launched, so at most one is in
-flight and only inside ``LLMEngine.step``. With it (``EngineConfig.overlaps_steps``) a step ends
+flight and only inside ``StepPipeline.step``. With it (``EngineConfig.overlaps_steps``) a step ends
 with the next call still running on the device (``engine/successor.py``), and commands arrive
 between steps: a sleep, a refit, an extension's method. THE DRAIN RULE: every command the
 engine sends its workers first completes the calls in flight (``DrainingExecutor``), so no

@@ -1,6 +1,6 @@
 """A launched step whose results are read later: the device runs it while the host works.
 
-The engine's async scheduling (``engine/llm_engine.py``) launches step N+1 before it reads step
+The engine's async scheduling (``engine/step_pipeline.py``) launches step N+1 before it reads step
 N back, so two launches may be unread at once. What a launch leaves for its reader is therefore
 per launch, not per runner:
 
