@@ -64,7 +64,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.inputs = InputBuffers(mm, config, null_block)
         self.graphs: DecodeGraphs | None = None
-        self.sampler = StepSampler(self.vocab_size, config.logprobs_mode, self.device)
+        self.sampler = StepSampler(model, config.logprobs_mode, self.device)
         max_logprobs = config.max_logprobs  # -1: the whole vocabulary, more than a graph carries
         self.multi_step_top_logprobs = (
             MAX_MULTI_STEP_TOP_LOGPROBS
@@ -242,8 +242,7 @@ class ModelRunner:
         if logits_rows is not None:
             (rows,), _ = self._fork_staging.stage([np.asarray(logits_rows, np.int64)])
             logits = logits[rows]
-        prompt = self.sampler.prompt_logprobs(computing.seqs, hidden, self.model.compute_logits)
-        return logits, prompt
+        return logits, self.sampler.prompt_logprobs(computing.seqs, hidden)
 
     def _start_copy(
         self,

@@ -236,9 +236,7 @@ class SpecStep:
             )
             parts.append(plain_tokens)
         if hidden is not None:
-            prompt = runner.sampler.prompt_logprobs(
-                target_seqs, hidden, runner.model.compute_logits
-            )
+            prompt = runner.sampler.prompt_logprobs(target_seqs, hidden)
         extras = [p for p in (spec_logprobs, plain_logprobs, prompt) if p is not None]
         self._host_copy.start(parts + extras)
         return self._outputs(seqs, layout, spec_logprobs, plain_logprobs, prompt)

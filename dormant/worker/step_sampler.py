@@ -12,7 +12,6 @@ speculative decoding samples its plain rows and prompt positions here too (``spe
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch
 
 from dormant.core.config import LogprobsMode
 from dormant.core.step_input import SeqInput
+from dormant.models import CausalLM
 from dormant.worker.input_buffers import Staging
 from dormant.worker.logprobs import packed_logprobs, packed_width
 from dormant.worker.penalties import LogitsProcessors
@@ -30,10 +30,13 @@ PROMPT_LOGPROBS_CHUNK = 512
 
 
 class StepSampler:
-    """Samples a step's rows and packs their logprobs; owns the staging buffers it fills."""
+    """Samples a step's rows and packs their logprobs; owns the staging buffers it fills.
+    Prompt logprobs call ``model.compute_logits`` as it is at each step (verl replaces it on
+    the instance)."""
 
-    def __init__(self, vocab_size: int, logprobs_mode: LogprobsMode, device: torch.device) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, model: CausalLM, logprobs_mode: LogprobsMode, device: torch.device) -> None:
+        self.model = model
+        self.vocab_size = model.config.vocab_size
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self.device = device
         self._penalty_staging = Staging(device)
@@ -61,10 +64,7 @@ class StepSampler:
         return tokens, packed_logprobs(values, tokens, num_top, mode)
 
     def prompt_logprobs(
-        self,
-        seqs: SequenceOf[SeqInput],
-        hidden: torch.Tensor,
-        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        self, seqs: SequenceOf[SeqInput], hidden: torch.Tensor
     ) -> torch.Tensor | None:
         """Packed logprobs of each actual next prompt token, at every computed position of the
         rows with ``compute_prompt_logprobs`` but their last, in row order (None when no row
@@ -82,7 +82,7 @@ class StepSampler:
         packs = []
         for first in range(0, positions_t.shape[0], PROMPT_LOGPROBS_CHUNK):
             chunk = slice(first, first + PROMPT_LOGPROBS_CHUNK)
-            chunk_logits = compute_logits(hidden[positions_t[chunk]])
+            chunk_logits = self.model.compute_logits(hidden[positions_t[chunk]])
             packs.append(packed_logprobs(chunk_logits, targets_t[chunk], num_top, "raw_logprobs"))
         empty = torch.empty((0, packed_width(num_top)), dtype=torch.int32, device=self.device)
         return torch.cat([empty, *packs])

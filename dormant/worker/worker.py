@@ -214,8 +214,7 @@ class Worker:
         return self.steps.execute_multi_step(step)
 
     def launch(self, step: StepInput, multi_step: bool = False) -> PendingStep:
-        """Queues ``step`` and returns before its results are on the host: the engine's async
-        scheduling (``RankSteps.launch``)."""
+        """Queues ``step`` without waiting for its results: async scheduling (``RankSteps``)."""
         return self.steps.launch(step, multi_step)
 
     def sleep(
