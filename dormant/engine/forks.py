@@ -24,6 +24,13 @@ sequence (and finds the prompt's full blocks in the prefix cache):
     the leader was given blocks (a weight change or a KV
     discard: no block is ever shared across one)
 
+A request's samples start together (vLLM V0's sequence-group admission): the scheduler admits a
+leader only when ``max_num_seqs`` has room for it and all its waiting siblings beside those
+already running and those the running leaders' siblings will take (``num_slots_held``), unless
+nothing runs at all (then ``n > max_num_seqs`` still makes progress, the siblings left over
+queued). So the fork step has room, and the prompt is computed once, not once per wave of
+sequences that happened to fit.
+
 Invariant: every sibling here has an unfinished leader that is WAITING or RUNNING and has not
 yet been scheduled to compute its prompt's last token; a sibling is never both here and in a
 queue. Preemption stays recompute: a forked sibling is an ordinary running sequence.
@@ -55,11 +62,25 @@ class Forks:
         self.config, self.block_manager = config, block_manager
         self.waiting, self.running = waiting, running
         self._siblings: dict[int, list[Sequence]] = {}
+        self._leaders: dict[int, Sequence] = {}  # by sequence id, those with siblings here
         self._leader_of: dict[int, int] = {}  # sibling id -> leader id, for those here
 
     @property
     def num_waiting(self) -> int:
         return len(self._leader_of)
+
+    def num_siblings(self, leader: Sequence) -> int:
+        """How many siblings wait here on ``leader``."""
+        return len(self._siblings.get(leader.seq_id, ()))
+
+    def num_slots_held(self) -> int:
+        """The running sequences' slots their waiting siblings will take at their fork steps:
+        the siblings of leaders already RUNNING (prefilling in chunks)."""
+        return sum(
+            len(self._siblings[seq_id])
+            for seq_id, leader in self._leaders.items()
+            if leader.status is SequenceStatus.RUNNING
+        )
 
     def can_wait(self, leader: Sequence, sibling: Sequence) -> bool:
         """Whether ``sibling`` (new, of the same prompt) may wait to fork from ``leader``, an
@@ -78,11 +99,13 @@ class Forks:
     def add(self, leader: Sequence, sibling: Sequence) -> None:
         """Precondition: ``can_wait(leader, sibling)``."""
         self._siblings.setdefault(leader.seq_id, []).append(sibling)
+        self._leaders[leader.seq_id] = leader
         self._leader_of[sibling.seq_id] = leader.seq_id
 
     def release(self, leader: Sequence) -> list[Sequence]:
         """Removes and returns the siblings waiting on ``leader`` (the caller queues them)."""
         siblings = self._siblings.pop(leader.seq_id, [])
+        self._leaders.pop(leader.seq_id, None)
         for sibling in siblings:
             del self._leader_of[sibling.seq_id]
         return siblings
@@ -95,7 +118,7 @@ class Forks:
         siblings = self._siblings[leader_id]
         siblings.remove(sibling)
         if not siblings:
-            del self._siblings[leader_id]
+            del self._siblings[leader_id], self._leaders[leader_id]
 
     def plan(self, rows: list[Row]) -> tuple[list[Row], dict[int, int], list[tuple[int, int]]]:
         """The fork rows of a step whose final rows are ``rows``: for each leader whose row

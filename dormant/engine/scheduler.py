@@ -18,7 +18,9 @@ A step with chunked prefill, under ``max_num_batched_tokens``:
        of `running` (the newest) is preempted, until the sequence fits or is itself the tail.
     2. then, unless step 1 preempted, waiting sequences in order while the budget and
        ``max_num_seqs`` allow: each starts after its prefix-cache hits with a chunk of what is
-       left of the budget (a first prefill with prompt logprobs only as a whole).
+       left of the budget (a first prefill with prompt logprobs only as a whole). A leader
+       counts its waiting siblings against ``max_num_seqs`` (a request's samples start
+       together, ``engine/forks.py``).
 Without chunked prefill a step prefills whole waiting sequences if any fits, else decodes.
 
 A row whose chunk ends before the sequence's last token samples nothing. A step of decodes

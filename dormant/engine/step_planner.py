@@ -145,10 +145,20 @@ class StepPlanner:
 
     def _schedule_waiting(self, budget: int, *, may_chunk: bool) -> list[Row]:
         """Waiting sequences, in order, while ``budget`` tokens, blocks and ``max_num_seqs``
-        allow; each computes from its prefix-cache hits on, whole or (``may_chunk``) a chunk."""
-        manager, rows = self.block_manager, []
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+        allow (a leader with all its waiting siblings, unless nothing runs); each computes from
+        its prefix-cache hits on, whole or (``may_chunk``) a chunk."""
+        manager, forks = self.block_manager, self.forks
+        rows: list[Row] = []
+        if not self.waiting:
+            return rows
+        free_slots = self.config.max_num_seqs - len(self.running)
+        if forks.num_waiting:
+            free_slots -= forks.num_slots_held()
+        while self.waiting and free_slots > 0 and budget > 0:
             seq = self.waiting[0]
+            num_slots = 1 + forks.num_siblings(seq) if forks.num_waiting else 1
+            if num_slots > free_slots and self.running:
+                break  # a request's samples start together (``engine/forks.py``)
             cached = manager.cached_blocks(seq)
             num_computed = len(cached) * manager.block_size
             num_left = seq.num_tokens - num_computed
@@ -165,6 +175,7 @@ class StepPlanner:
             self.running.append(self.waiting.popleft())
             rows.append((seq, num_new))
             budget -= num_new
+            free_slots -= num_slots
         return rows
 
     def may_chunk(self, seq: Sequence) -> bool:

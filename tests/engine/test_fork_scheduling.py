@@ -264,3 +264,48 @@ def test_fork_rows_never_ride_a_decode_batch() -> None:
     while scheduler.has_unfinished:
         step(scheduler)
     assert all(s.num_output_tokens == 4 for s in seqs)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["mixed", "split"])
+def test_a_request_starts_only_when_all_its_samples_fit(chunked: bool) -> None:
+    """Two requests of 4 samples under max_num_seqs=6: the second leader waits until its
+    whole family fits, so every sibling forks and each prompt is computed once (admitted
+    beside the first, two of its siblings would have found no room and re-prefilled)."""
+    scheduler = make(max_num_seqs=6, chunked=chunked)
+    first = request(scheduler, 10)
+    second = request(scheduler, 10, offset=3)
+    forked: dict[int, int] = {}
+    num_prefill_tokens = 0
+    while scheduler.has_unfinished:
+        batch, _ = step(scheduler)
+        forked |= fork_rows(batch)
+        num_prefill_tokens += batch.num_prefill_tokens
+        assert len(scheduler._running) <= 6
+    assert forked == {s.seq_id: seqs[0].seq_id for seqs in (first, second) for s in seqs[1:]}
+    assert num_prefill_tokens == 2 * 10
+    assert all(s.num_output_tokens == 4 for s in (*first, *second))
+
+
+def test_a_chunked_leader_holds_its_siblings_slots() -> None:
+    """A leader prefilling in chunks: a request that arrives meanwhile does not take the slots
+    its siblings fork into at its last chunk."""
+    scheduler = make(budget=8, max_num_seqs=4)
+    leader, *siblings = request(scheduler, 19)
+    step(scheduler)
+    (single,) = request(scheduler, 3, n=1, offset=5)
+    batches = [step(scheduler)[0] for _ in range(2)]
+    assert single.status is SequenceStatus.WAITING
+    assert fork_rows(batches[1]) == {s.seq_id: leader.seq_id for s in siblings}
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert single.num_output_tokens == 4
+
+
+def test_more_samples_than_max_num_seqs_still_run_when_nothing_else_does() -> None:
+    scheduler = make(max_num_seqs=3)
+    seqs = request(scheduler, 10, n=5)
+    batch, _ = step(scheduler)
+    assert len(fork_rows(batch)) == 2  # the rest queued as ordinary sequences
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert all(s.num_output_tokens == 4 for s in seqs)
