@@ -24,7 +24,8 @@ Then ``--cycles`` RL iterations with both features on: generate -> sleep(2) -> a
 trainer step (it takes most of the freed memory and multiplies matrices in it) ->
 wake_up(["weights"]) -> update_weights (new random weights, from the "trainer") ->
 wake_up(["kv_cache"]) -> generate the same prompts again. Throughput after a cycle should equal
-throughput before it, and the hit rate must drop to the prompts' own n-sharing: the engine
+throughput before it (the generate's tokens/s, and a decode step's median device time, which
+leaves the host out), and the hit rate must drop to the prompts' own n-sharing: the engine
 invalidated the cache itself (no reset_prefix_cache call anywhere in this file).
 
 Each variant runs with async scheduling off, then on (``--async-scheduling on,off`` reverses
@@ -213,6 +214,11 @@ def generate(llm: LLM, batch: list[list[int]], params: SamplingParams, log: Step
         "num_cached_tokens_first": outputs[0].num_cached_tokens,
         "decode": [s for s in log.steps if not s.is_prefill],
     }
+
+
+def decode_step_s(decode: list[Step]) -> float:
+    """The median time of a decode step (a multi-step call counts as its steps' mean)."""
+    return statistics.median(s.seconds / s.num_steps for s in decode)
 
 
 class Device(NamedTuple):
@@ -429,6 +435,11 @@ def main() -> None:
             tokens_per_s_before=before["generated_tokens_per_s"],
             tokens_per_s_after=after["generated_tokens_per_s"],
             x_after_over_before=after["generated_tokens_per_s"] / before["generated_tokens_per_s"],
+            # The device's view, without the host: a decode step's median time (per step).
+            decode_step_s_before=decode_step_s(before["decode"]),
+            decode_step_s_after=decode_step_s(after["decode"]),
+            x_decode_step_after_over_before=decode_step_s(after["decode"])
+            / decode_step_s(before["decode"]),
             hit_rate_before=before["hit_rate"], hit_rate_after=after["hit_rate"],
             own_sharing_hit_rate=own_sharing_hit_rate(n, prompt_len, block_size),
         ))  # fmt: skip
@@ -437,8 +448,8 @@ def main() -> None:
     rec.emit(case="total", seconds=time.perf_counter() - started)
     columns = [
         "case", "variant", "generated_tokens_per_s", "prefill_tokens", "prefill_tokens_per_s",
-        "hit_rate", "x_roofline_b64_plus", "cut", "cycle", "x_after_over_before", "hit_rate_before",
-        "hit_rate_after",
+        "hit_rate", "x_roofline_b64_plus", "cut", "cycle", "x_after_over_before",
+        "x_decode_step_after_over_before", "hit_rate_before", "hit_rate_after",
     ]  # fmt: skip
     print(table(rows, columns))
 
