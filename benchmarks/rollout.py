@@ -277,10 +277,11 @@ def num_gemm_params(model: torch.nn.Module) -> int:
     return sum(n for name, n in matrices.items() if not (has_head and "embed_tokens" in name))
 
 
-def own_sharing_hit_rate(n: int, prompt_len: int, block_size: int) -> float:
-    """The hit rate of a prompt seen for the first time: its first sample misses, the other
-    ``n - 1`` hit the full blocks before the block of the last prompt token."""
-    return (n - 1) * ((prompt_len - 1) // block_size) * block_size / (n * prompt_len)
+def own_sharing_hit_rate(n: int) -> float:
+    """The hit rate of a prompt seen for the first time: its first sample computes it, the
+    other ``n - 1`` fork from it (``engine/forks.py``: each counts the whole prompt as hit).
+    A sibling that could not fork hits less: the full blocks before its last prompt token."""
+    return (n - 1) / n
 
 
 def sync(device: torch.device) -> None:
@@ -387,7 +388,7 @@ def main() -> None:
     params = SamplingParams(
         n=n, temperature=1.0, max_tokens=out_len, logprobs=0, ignore_eos=True, seed=0
     )
-    vocab, block_size = model_config.vocab_size, llm.llm_engine.config.block_size
+    vocab = model_config.vocab_size
     warm = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True)
     llm.generate(prompts(4, prompt_len, vocab, seed=99), warm, use_tqdm=False)
 
@@ -441,7 +442,7 @@ def main() -> None:
             x_decode_step_after_over_before=decode_step_s(after["decode"])
             / decode_step_s(before["decode"]),
             hit_rate_before=before["hit_rate"], hit_rate_after=after["hit_rate"],
-            own_sharing_hit_rate=own_sharing_hit_rate(n, prompt_len, block_size),
+            own_sharing_hit_rate=own_sharing_hit_rate(n),
         ))  # fmt: skip
     print(llm.memory_status()[0].table())
     llm.shutdown()
