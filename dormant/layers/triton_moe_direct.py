@@ -1,7 +1,8 @@
 """The fused MoE experts at decode sizes: each pair reads its expert straight from ``topk_ids``.
 
 Same contract and rounding points as ``fused_experts_reference`` (``moe_reference.py``) and the
-sorted path (``triton_moe.py``). Two kernels per call, no sort, no host sync:
+sorted path (``triton_moe.py``). Two kernels per call, each a loop or a tile (``KERNELS``), no
+sort, no host sync:
 
     gate_up + SiLU·mul   h[p] = silu(x[t] @ w1_e.T) * (x[t] @ w3_e.T), e = topk_ids[p]; one
                          program per (pair, BLOCK_N columns of I)
@@ -16,9 +17,8 @@ adds it to a float32 sum in slot order, which is what the combine of the sorted 
 the same pair results the output is bit-identical, deterministic, with no atomics and no
 ``[T * k, H]`` buffer.
 
-A pair re-reads its expert even where another pair of the batch routes to the same one; the
-sorted path reads each routed expert once. So this path is for few pairs (``is_direct``):
-decode, where the sort and its padding cost more than the duplicate reads (which mostly hit L2).
+A pair re-reads its expert where another pair routes to it too (the sorted path reads each once):
+this path is for few pairs (``is_direct``), where the sort costs more than the rereads (in L2).
 """
 
 from __future__ import annotations
@@ -38,19 +38,21 @@ from dormant.layers.triton_pdl import use_pdl
 DIRECT_MAX_PAIRS = 32
 
 # The batch-1 choices, each measured by benchmarks/moe_b1_sweep.py on the H200 (set them here):
-# - KERNELS "tile" (the default): gate/up, then _down_tile_kernel, every slot's whole depth in
-#   one tile (all its weights in flight at once); "loop": gate/up, then _down_combine_kernel, a
-#   token's slots one after another. The norm -> router -> experts chain of one Qwen3-30B-A3B
-#   layer at batch 1, graph replay: loop 38.7 us, tile 36.7, tile + PDL 32.2
-#   (results/2026-12-02d-run3-moe-b1-sweep.jsonl). A third kernel pair, gate/up and down fused
-#   per block of the intermediate size plus a combine, lost at every tile (41.7-51.6 us) and
-#   was removed;
+# - KERNELS: "loop" (_gate_up_direct_kernel, then _down_combine_kernel: a token's slots one
+#   after another), "tile" (then _down_tile_kernel: every slot's whole depth in one tile, all
+#   its loads in flight at once), "tile-all" (the default since the sixteenth session: gate/up
+#   in whole-depth tiles too, _gate_up_tile_kernel). Qwen3-30B-A3B's norm -> router -> experts
+#   chain at batch 1, graph replay, per layer: loop + PDL 33.6 us, tile + PDL 31.8, tile-all +
+#   PDL 28.8; the experts alone at batch 1 / 2 / 4: tile 30.4 / 54.2 / 87.1 us, tile-all 27.3 /
+#   48.4 / 86.0; the engine's 48-layer step (its 4-step graph, with pdl_tiles' new rule) 2.105
+#   -> 1.95-1.98 x its roofline (results/2026-12-04-run2-*, -run3-*). Gate/up and down fused
+#   per block of the intermediate size, plus a combine, lost at every tile and was removed;
 # - USE_PDL: the kernels launch with programmatic dependent launch (triton_pdl.py): each one's
-#   launch hides behind the kernel before it, and "tile" loads its weights before gate/up ends
-#   (on by default; bit-exact against plain launches, tests/gpu/test_triton_moe.py).
-KERNELS = "tile"
+#   launch hides behind the kernel before it, and the tile down kernel loads its weights before
+#   gate/up ends (on by default; bit-exact against plain launches, tests/gpu/test_triton_moe.py).
+KERNELS = "tile-all"
 USE_PDL = True
-KERNEL_CHOICES = ("loop", "tile")
+KERNEL_CHOICES = ("loop", "tile", "tile-all")
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,16 @@ def is_direct(num_tokens: int, top_k: int) -> bool:
 
 def gemv_config(n: int, k: int, is_gate_up: bool, kernels: str = "loop") -> GemvConfig:
     """Default tiles for ``n`` output columns of depth ``k``, sized for Qwen3-30B-A3B on 132
-    SMs. Gate/up: 16 columns of each (I = 768: 8 pairs x 48 = 384 programs at batch 1), k in
-    steps of 256, pipelined (``num_stages``). Down, "loop": 4 columns (H = 2048: 512 programs
-    per token, all resident at once, so every one keeps its own loads in flight), k in unrolled
-    steps of 256; "tile": 2 columns of the whole depth for every slot (1024 programs per
-    token), the sweep's best (``block_k`` is unused: the tile spans ``k``). Weights stream
-    once, so what counts is the bytes in flight per SM."""
+    SMs (weights stream once: what counts is the bytes in flight per SM). "loop": gate/up 16
+    columns of each (I = 768: 384 programs at batch 1), k in pipelined steps of 256; down 4
+    columns (H = 2048: 512 programs a token), k in unrolled steps of 256. "tile": down 2
+    columns of the whole depth for every slot. "tile-all": gate/up one column of each over the
+    whole depth at 2 warps (6144 programs at batch 1), down one column. ``block_k`` is unused
+    where a tile spans ``k``."""
     if not is_gate_up and kernels == "tile":
         return GemvConfig(block_n=max(1, min(2, triton.next_power_of_2(n))), block_k=1024)
+    if kernels == "tile-all":
+        return GemvConfig(1, k, num_warps=2) if is_gate_up else GemvConfig(1, 1024)
     block_n = 16 if is_gate_up else 4
     return GemvConfig(
         block_n=max(1, min(block_n, triton.next_power_of_2(n))),
@@ -125,6 +129,36 @@ def _gate_up_direct_kernel(
     silu = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype)  # the sorted path's formula
     h = (silu.to(tl.float32) * tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)).to(dtype)
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=is_col)
+
+
+@triton.jit
+def _gate_up_tile_kernel(
+    x_ptr, w_ptr, h_ptr, ids_ptr, N, stride_x, stride_we, stride_wn, stride_h,
+    K: tl.constexpr, K_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # _gate_up_direct_kernel's sums with the whole depth in one [BLOCK_N, K] tile per
+    # projection: every weight load of the program is issued at once, right after the wait
+    # (the expert is the router's), as _down_tile_kernel does for down
+    if USE_PDL:  # the router's ids are out; then the down kernel may launch (triton_pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K_PAD)
+    w_mask = (cols < N)[:, None] & (ks < K)[None, :]
+    gate_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+    up = tl.load(gate_ptrs + N * stride_wn, mask=w_mask, other=0.0)  # the up rows follow
+    x = tl.load(x_ptr + token * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+    dtype = h_ptr.dtype.element_ty
+    gate32 = tl.sum(gate.to(tl.float32) * x, axis=1).to(dtype).to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype)  # the sorted path's formula
+    up32 = tl.sum(up.to(tl.float32) * x, axis=1).to(dtype).to(tl.float32)
+    h = (silu.to(tl.float32) * up32).to(dtype)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=cols < N)
 
 
 @triton.jit
@@ -229,21 +263,30 @@ def fused_experts_direct(
     is_pdl = use_pdl(pdl, USE_PDL, x.device)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     up, down = configs or (
-        gemv_config(inter, hidden, True),
+        gemv_config(inter, hidden, True, kernels),
         gemv_config(hidden, inter, False, kernels),
     )
     num_pairs = num_tokens * top_k
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    _gate_up_direct_kernel[(num_pairs, triton.cdiv(inter, up.block_n))](
-        x, w13, h, topk_ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_PDL=is_pdl,
-        num_warps=up.num_warps, num_stages=up.num_stages, launch_pdl=is_pdl,
-    )  # fmt: skip
+    up_grid = (num_pairs, triton.cdiv(inter, up.block_n))
+    up_launch = {"num_warps": up.num_warps, "num_stages": up.num_stages, "launch_pdl": is_pdl}
+    if kernels == "tile-all":
+        _gate_up_tile_kernel[up_grid](
+            x, w13, h, topk_ids, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+            K=hidden, K_PAD=triton.next_power_of_2(hidden), TOP_K=top_k, BLOCK_N=up.block_n,
+            USE_PDL=is_pdl, **up_launch,
+        )  # fmt: skip
+    else:
+        _gate_up_direct_kernel[up_grid](
+            x, w13, h, topk_ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+            h.stride(0), TOP_K=top_k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, USE_PDL=is_pdl,
+            **up_launch,
+        )  # fmt: skip
     grid = (num_tokens, triton.cdiv(hidden, down.block_n))
     args = (h, w2, out, topk_weights, topk_ids, hidden, h.stride(0), w2.stride(0), w2.stride(1),
             out.stride(0))  # fmt: skip
     launch = {"num_warps": down.num_warps, "num_stages": down.num_stages, "launch_pdl": is_pdl}
-    if kernels == "tile":
+    if kernels in ("tile", "tile-all"):
         _down_tile_kernel[grid](
             *args, K=inter, TOP_K=top_k, BLOCK_N=down.block_n,
             K_PAD=triton.next_power_of_2(inter), SLOTS_PAD=triton.next_power_of_2(top_k),

@@ -52,7 +52,9 @@ if not INTERPRETED:  # Qwen3-30B-A3B's QKV and O projections at every skinny bat
     GEMV_SHAPES += [(t, n, k) for t in range(1, 5) for n, k in ((5120, 2048), (2048, 4096))]
 
 PATH_CASES = [(path, shape) for path in ("auto", "sorted") for shape in SHAPES] + [
-    (path, shape) for path in ("direct", "direct-loop") for shape in SHAPES + checks.DIRECT_SHAPES
+    (path, shape)
+    for path in ("direct", "direct-loop", "direct-tile-all")
+    for shape in SHAPES + checks.DIRECT_SHAPES
 ]
 
 
@@ -191,7 +193,7 @@ def test_the_fused_router_and_experts_replay_in_a_cuda_graph(num_tokens: int) ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRETED, reason="PDL and CUDA graphs need a GPU")
-@pytest.mark.parametrize("kernels", ["loop", "tile"])
+@pytest.mark.parametrize("kernels", ["loop", "tile", "tile-all"])
 def test_the_pdl_chain_replays_the_bits_of_plain_launches(kernels: str) -> None:
     """Norm, router and experts of 12 layers launched with programmatic dependent launch in one
     graph (triton_pdl.py: each kernel starts before the one before it ends), replayed 10 times

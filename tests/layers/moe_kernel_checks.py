@@ -28,8 +28,9 @@ from dormant.layers.triton_moe_direct import (
 PATHS = {
     "auto": fused_experts,
     "sorted": fused_experts_sorted,
-    "direct": fused_experts_direct,  # KERNELS, "tile"
+    "direct": fused_experts_direct,  # KERNELS, "tile-all"
     "direct-loop": partial(fused_experts_direct, kernels="loop"),
+    "direct-tile-all": partial(fused_experts_direct, kernels="tile-all"),
 }
 # (tokens, experts, top_k, hidden, intermediate): decode sizes, top_k 1/2/8, odd sizes
 # (small for the interpreter, which runs about 50 programs a second)
@@ -43,6 +44,8 @@ DIRECT_VARIANTS = [
     ("loop", ODD_TILES),
     ("tile", None),
     ("tile", (GemvConfig(8, 16), GemvConfig(1, 16, num_warps=2))),
+    ("tile-all", None),
+    ("tile-all", (GemvConfig(16, 16, num_warps=2), GemvConfig(4, 16))),
 ]
 
 
