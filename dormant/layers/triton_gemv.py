@@ -42,7 +42,11 @@ _ACCUMULATOR = 4096  # float32 elements per program: 32 registers a thread at 4 
 # Opted-in layers run ``pdl_linear`` at one token on the GPU. On since the engine's GPU tests
 # passed with it (2026-12-02f run 1); benchmarks/moe.py's knobs-off child turns it off.
 USE_PDL_AT_BATCH_1 = True
-_PDL_PROGRAMS = 256  # about 2 per SM on the H200: every program resident at once
+# pdl_tiles' rule: about PDL_PROGRAMS programs of PDL_ACCUMULATOR float32 sums each. 1024 of
+# 2048 (QKV 4 rows a program, O 2) since the sixteenth session: Qwen3-30B-A3B's batch-1 layer
+# 56.8 -> 55.3 us against 256 of 4096 (16 and 8 rows; results/2026-12-04-run1-moe-b1-sweep.jsonl).
+PDL_PROGRAMS = 1024
+PDL_ACCUMULATOR = 2048
 
 
 @dataclass(frozen=True)
@@ -71,13 +75,14 @@ def gemv_tiles(num_tokens: int, n: int, k: int) -> GemvTiles:
 
 
 def pdl_tiles(n: int, k: int) -> GemvTiles:
-    """About ``_PDL_PROGRAMS`` programs (QKV 5120: 16 rows each, 320 programs; O 2048: 8, 256),
-    a quarter of the depth prefetched (QKV 512 of 2048: 16 KB a program, about 40 KB an SM;
-    O 1024 of 4096), the rest in steps that keep the accumulator at ``_ACCUMULATOR``."""
-    rows = triton.cdiv(n, _PDL_PROGRAMS)
+    """About ``PDL_PROGRAMS`` programs (QKV 5120: 4 rows each, 1280 programs; O 2048: 2, 1024),
+    a quarter of the depth prefetched (QKV 512 of 2048: 4 KB a program, about 40 KB an SM;
+    O 1024 of 4096), the rest in steps that keep the accumulator at ``PDL_ACCUMULATOR`` (QKV
+    512 deep, O 1024: 16 float32 a thread at 4 warps)."""
+    rows = triton.cdiv(n, PDL_PROGRAMS)
     block_n = min(16, 1 << (rows.bit_length() - 1))
     depth = triton.next_power_of_2(k)
-    block_k = max(16, min(512, _ACCUMULATOR // block_n, depth))
+    block_k = max(16, min(1024, PDL_ACCUMULATOR // block_n, depth))
     return GemvTiles(block_n, block_k, prefetch_k=max(16, depth // 4))
 
 
