@@ -26,12 +26,14 @@
 - the step before the fused router and the skinny GEMV: decode at batch 1 and 64 with the
   router's GEMM and ``topk_softmax``, and cuBLAS's attention projections, at every size, in a
   child process of the same run;
+- the step with the fifteenth session's batch-1 tiles (the "tile" experts, the PDL GEMV at
+  16 / 8 rows a program), decode at batch 1 and 64, in a child process of the same run;
 - the peer: the torch reference path (``DORMANT_TRITON=0``, every expert on every token, FULL
   graphs) at batch 1 and 64, in a child process of the same run.
 
 Usage: python benchmarks/moe.py [--out results.jsonl] [--layers 48] [--skip-peer]
-[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-knobs-off] [--skip-kernels] (about 7-8
-minutes on an H200 at 48 layers; ``--layers 8`` for a quick look).
+[--skip-sorted] [--skip-unfused] [--skip-plain] [--skip-knobs-off] [--skip-fifteenth]
+[--skip-kernels] (about 7-8 minutes on an H200 at 48 layers; ``--layers 8`` for a quick look).
 """
 
 from __future__ import annotations
@@ -234,6 +236,15 @@ def knobs_off() -> None:
         module.USE_PDL_AT_BATCH_1 = False
 
 
+def fifteenth() -> None:
+    """The fifteenth session's batch-1 defaults: the "tile" experts (gate/up in steps of 256
+    of the depth) and the PDL GEMV at 16 / 8 rows a program (QKV / O)."""
+    from dormant.layers import triton_gemv, triton_moe_direct
+
+    triton_moe_direct.KERNELS = "tile"
+    triton_gemv.PDL_PROGRAMS, triton_gemv.PDL_ACCUMULATOR = 256, 4096
+
+
 def unfused() -> None:
     """Every sparse layer routes by the router's GEMM and ``topk_softmax`` (as before
     ``layers/triton_router.py``), and the attention projections run cuBLAS (as before
@@ -252,6 +263,7 @@ MOE_PATHS = {
     "unfused": ("triton, unfused router, cuBLAS attention (old)", unfused),
     "plain": ("triton, loop down kernel, plain launches (old)", plain_launches),
     "knobs-off": ("triton, no PDL norms/rotary/KV write, cuBLAS GEMV (tenth session)", knobs_off),
+    "fifteenth": ("triton, tile experts, 16/8-row PDL GEMV (fifteenth session)", fifteenth),
 }
 
 
@@ -270,8 +282,10 @@ def main() -> None:
                         help="no step with the loop down kernel and plain launches")  # fmt: skip
     parser.add_argument("--skip-knobs-off", action="store_true",
                         help="no step with the batch-1 PDL knobs off")  # fmt: skip
+    parser.add_argument("--skip-fifteenth", action="store_true",
+                        help="no step with the fifteenth session's tiles")  # fmt: skip
     parser.add_argument("--decode-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--moe-path", choices=("auto", "sorted", "unfused", "plain", "knobs-off"),
+    parser.add_argument("--moe-path", choices=("auto", *MOE_PATHS),
                         default="auto", help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     rec = Recorder(args.out)
@@ -308,6 +322,8 @@ def main() -> None:
     del llm, worker
     torch.cuda.empty_cache()
     print(table(rows, COLUMNS))
+    if IS_TRITON_ENABLED and not args.skip_fifteenth:
+        run_child(args, "fifteenth")
     if IS_TRITON_ENABLED and not args.skip_knobs_off:
         run_child(args, "knobs-off")
     if IS_TRITON_ENABLED and not args.skip_plain:

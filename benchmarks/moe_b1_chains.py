@@ -84,37 +84,37 @@ def _randn(generator: torch.Generator, *shape: int, scale: float = 1.0) -> torch
 
 
 Options = tuple[tuple[str, object], ...]
-# gemv_config's defaults at these shapes: gate/up, the loop down and the tile down
-UP, DOWN, TILE = GemvConfig(16, 256), GemvConfig(4, 256), GemvConfig(2, 1024)
-# Gate/up tiles around the default (benchmarks/moe_kernels.py swept them without PDL:
-# results/2026-12-01d-run2-moe12.jsonl, the best within 1 % of the default), now timed with the
-# tile down kernel and PDL, the defaults since the ninth session's sweep.
-UP_TILES = [(32, 256, 8, 3), (16, 512, 8, 4), (8, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 3)]
-TILE_DOWN = [(2, 4), (2, 8), (4, 8), (1, 4)]  # (block_n, warps)
+# gemv_config's defaults at these shapes: "tile-all"'s gate/up and down (the defaults since the
+# sixteenth session's run 1); the loop gate/up and down (block_k 256)
+UP_TILE, TILE = GemvConfig(1, HIDDEN, num_warps=2), GemvConfig(1, 1024)
+UP, DOWN = GemvConfig(16, 256), GemvConfig(4, 256)
+# "tile-all"'s gate/up tiles, (block_n, warps), around its default (1, 2): run 1 measured
+# (4, 4) 32.1, (2, 4) 31.3, (4, 8) 31.2, (8, 8) 36.2, (2, 2) 30.1, (1, 2) 29.2 us a layer
+TILE_UP = [(1, 1), (2, 2), (1, 4), (2, 1)]
+# "tile-all"'s down tiles around its default (1, 4); run 2 measured (2, 4) +0.2 / +0.8 us a
+# layer (moe / layer chain), (1, 2) -0.7 / -, (2, 2) +4.9 / -
+TILE_DOWN = [(2, 4), (1, 2)]  # (block_n, warps)
 NO_PDL: Options = (("router_pdl", False), ("pdl", False))
-# The PDL GEMV's (QKV, O) tiles beyond pdl_tiles' quarter of the depth before the wait: half of
-# it, and all of it (no loop after the wait; 8 warps hold it without spills, ptxas for sm_90)
-GEMV_PREFETCH = {
-    "half": (GemvTiles(16, 256, 4, 3, prefetch_k=1024), GemvTiles(8, 512, 4, 3, prefetch_k=2048)),
-    "whole": (GemvTiles(16, 256, 8, 3, prefetch_k=2048), GemvTiles(8, 512, 8, 3, prefetch_k=4096)),
-}
+FIFTEENTH: Options = (("kernels", "tile"), ("configs", (UP, GemvConfig(2, 1024))))
 
 
 def _moe_variants() -> list[Variant]:
-    """The defaults first ("tile" with PDL); then the loop kernels and "tile" without PDL; then
-    gate/up tiles and tile-down tiles, each with PDL."""
+    """The defaults first ("tile-all" with PDL); then the fifteenth session's ("tile"), the loop
+    kernels, "tile-all" without PDL; then "tile-all"'s gate/up and down tiles, with PDL."""
     loop: Options = (("kernels", "loop"), ("configs", (UP, DOWN)))
     variants = [
-        Variant("tile +pdl (default)"),
+        Variant("tile-all +pdl (default)"),
+        Variant("tile +pdl (fifteenth session)", FIFTEENTH),
         Variant("loop", loop + NO_PDL),
         Variant("loop +pdl", loop),
-        Variant("tile", NO_PDL),
+        Variant("tile-all", NO_PDL),
     ]
-    for up in UP_TILES:
-        variants.append(Variant(f"tile +pdl up{up}", (("configs", (GemvConfig(*up), TILE)),)))
-    for n, warps in TILE_DOWN:  # block_k unused: the tile kernel takes the whole depth
-        tiles = (UP, GemvConfig(n, 1024, warps))
-        variants.append(Variant(f"tile +pdl down({n},{warps})", (("configs", tiles),)))
+    for n, warps in TILE_UP:
+        tiles = (GemvConfig(n, HIDDEN, warps), TILE)
+        variants.append(Variant(f"tile-all +pdl up({n},{warps})", (("configs", tiles),)))
+    for n, warps in TILE_DOWN:  # block_k unused: the tile kernels take the whole depth
+        tiles = (UP_TILE, GemvConfig(n, 1024, warps))
+        variants.append(Variant(f"tile-all +pdl down({n},{warps})", (("configs", tiles),)))
     return variants
 
 
@@ -215,20 +215,32 @@ LAYER_PDL: Options = (("norm_pdl", True), ("rotary_pdl", True), ("write_pdl", Tr
 LAYER_KNOBS = ("norm_pdl", "rotary_pdl", "write_pdl", "attention_pdl", "router_pdl", "pdl")
 
 
+# The PDL GEMV's (QKV, O) tiles before pdl_tiles' rule of the sixteenth session (QKV 4 rows a
+# program, O 2; run 1: 55.3 us a layer against 56.8 for these)
+OLD_GEMV: Options = (("qkv_tiles", GemvTiles(16, 256, prefetch_k=512)),
+                     ("o_tiles", GemvTiles(8, 512, prefetch_k=1024)))  # fmt: skip
+GEMV_WHOLE: Options = (("qkv_tiles", GemvTiles(4, 16, 4, 1, 2048)),
+                       ("o_tiles", GemvTiles(2, 16, 4, 1, 4096)))  # fmt: skip
+
+
 def _layer_variants() -> list[Variant]:
-    """Today's defaults (cuBLAS projections; PDL in the attention, router and experts); with PDL
-    in the norms, rotary and KV write; with the PDL GEMV for QKV and O; both; both with deeper
-    GEMV prefetches."""
-    gemv: Options = (("gemv_pdl", True),)
+    """The defaults with cuBLAS projections and no PDL in the norms, rotary and KV write; the
+    defaults (every PDL knob, the PDL GEMV); the fifteenth session's GEMV tiles, experts, both;
+    the GEMV's whole depth before the wait; "tile-all"'s tiles around its default."""
+    pdl: Options = (*LAYER_PDL, ("gemv_pdl", True))
     variants = [
-        Variant("defaults"),
-        Variant("+pdl norm/rotary/write", LAYER_PDL),
-        Variant("+pdl gemv", gemv),
-        Variant("+pdl all", LAYER_PDL + gemv),
+        Variant("cuBLAS projections, no PDL norm/rotary/write"),
+        Variant("+pdl all (the engine's defaults)", pdl),
+        Variant("+pdl all, fifteenth session's gemv tiles", pdl + OLD_GEMV),
+        Variant("+pdl all, fifteenth session's experts", pdl + FIFTEENTH),
+        Variant("+pdl all, fifteenth session's gemv tiles and experts", pdl + OLD_GEMV + FIFTEENTH),
+        Variant("+pdl all, gemv whole depth, 4/2 rows", pdl + GEMV_WHOLE),
     ]
-    for name, (qkv, o) in GEMV_PREFETCH.items():
-        tiles: Options = (("qkv_tiles", qkv), ("o_tiles", o))
-        variants.append(Variant(f"+pdl all, gemv prefetch {name}", LAYER_PDL + gemv + tiles))
+    for n, warps in TILE_UP[:2]:
+        tiles = (GemvConfig(n, HIDDEN, warps), TILE)
+        variants.append(Variant(f"+pdl all, tile-all up({n},{warps})", (*pdl, ("configs", tiles))))
+    tiles = (UP_TILE, GemvConfig(2, 1024, 4))
+    variants.append(Variant("+pdl all, tile-all down(2,4)", (*pdl, ("configs", tiles))))
     return variants
 
 
@@ -315,7 +327,8 @@ class LayerChain(Chain):
                 pdl=option("router_pdl"),
             )  # fmt: skip
             hidden = fused_experts_direct(normed, self.w13[layer], self.w2[layer], weights, ids,
-                                          pdl=option("pdl"))  # fmt: skip
+                                          pdl=option("pdl"),
+                                          **variant.kwargs("kernels", "configs"))  # fmt: skip
             outputs += [ids, hidden]
         return [*outputs, residual]
 

@@ -5,7 +5,8 @@ the experts they route to over the HBM bandwidth.
 - old against new, side by side per batch size (1, 2, 4, 8, 16, 64): the sorted path (align,
   gate/up, down, combine) and the direct one (gate/up, down + combine), at their default
   tiles, and which one ``fused_experts`` picks (``is_direct``): where the direct path stops
-  paying says where ``DIRECT_MAX_PAIRS`` belongs;
+  paying says where ``DIRECT_MAX_PAIRS`` belongs; where it is picked, also the direct path's
+  "tile" kernels (the fifteenth session's) against ``KERNELS``;
 - per tile configuration at batch 1 (both paths), 8 (direct) and 64 (sorted): whether retuning
   ``block_config`` or ``gemv_config`` pays.
 """
@@ -22,6 +23,7 @@ from benchmarks.common import Recorder, table
 from dormant.layers.moe import FusedMoE
 from dormant.layers.triton_moe import BlockConfig, block_config, fused_experts_sorted
 from dormant.layers.triton_moe_direct import (
+    KERNELS,
     GemvConfig,
     fused_experts_direct,
     gemv_config,
@@ -59,13 +61,16 @@ def _sorted(candidate: tuple[int, ...] | None) -> Run:
     )
 
 
-def _direct(candidate: tuple[int, ...] | None) -> Run:
+def _direct(candidate: tuple[int, ...] | None, kernels: str | None = None) -> Run:
+    """The direct path at ``KERNELS`` (or ``kernels``); a candidate's tiles are the loop gate/up
+    kernel's, so they run with ``kernels="tile"``."""
     configs = None
     if candidate is not None:
         up_n, up_k, up_warps, stages, down_n, down_k, down_warps = candidate
         configs = (GemvConfig(up_n, up_k, up_warps, stages), GemvConfig(down_n, down_k, down_warps))
+        kernels = "tile"
     return lambda layer, x, weights, ids: fused_experts_direct(
-        x, layer.w13_weight, layer.w2_weight, weights, ids, configs
+        x, layer.w13_weight, layer.w2_weight, weights, ids, configs, kernels=kernels
     )
 
 
@@ -88,14 +93,22 @@ def bench_experts(rec: Recorder, model: torch.nn.Module, bandwidth: float) -> No
                 block_config(batch_size, top_k, first.num_experts, inter, hidden, x.dtype, True),
                 block_config(batch_size, top_k, first.num_experts, hidden, inter, x.dtype),
             ),
-            "direct": (gemv_config(inter, hidden, True), gemv_config(hidden, inter, False)),
-        }
+            "direct": (gemv_config(inter, hidden, True, KERNELS),
+                       gemv_config(hidden, inter, False, KERNELS)),
+            "direct, tile": (gemv_config(inter, hidden, True, "tile"),
+                             gemv_config(hidden, inter, False, "tile")),
+        }  # fmt: skip
         cases: list[tuple[str, tuple[int, ...] | None]] = [("sorted", None), ("direct", None)]
+        if is_direct(batch_size, top_k):  # the fifteenth session's kernels, against KERNELS
+            cases.append(("direct, tile", None))
         cases += [("sorted", c) for c in SORTED_CANDIDATES.get(batch_size, [])]
         cases += [("direct", c) for c in DIRECT_CANDIDATES.get(batch_size, [])]
         per_layer = {}
         for path, candidate in cases:
-            run = (_sorted if path == "sorted" else _direct)(candidate)
+            if path == "sorted":
+                run = _sorted(candidate)
+            else:
+                run = _direct(candidate, "tile" if path == "direct, tile" else None)
             seconds = _time_layers(layers, x, logits, run)
             row = rec.emit(
                 case="experts alone, all layers", system="triton", path=path,
@@ -106,13 +119,16 @@ def bench_experts(rec: Recorder, model: torch.nn.Module, bandwidth: float) -> No
             if candidate is None:
                 per_layer[path] = row["per_layer_s"]
         picked = "direct" if is_direct(batch_size, top_k) else "sorted"
+        tile_us = per_layer["direct, tile"] * 1e6 if "direct, tile" in per_layer else None
         side_by_side.append(rec.emit(
             case="experts per layer, sorted vs direct", batch_size=batch_size,
             sorted_us=per_layer["sorted"] * 1e6, direct_us=per_layer["direct"] * 1e6,
+            direct_tile_us=tile_us, kernels=KERNELS,
             direct_over_sorted=per_layer["direct"] / per_layer["sorted"], picked=picked,
             roofline_us=nbytes / bandwidth / len(layers) * 1e6,
         ))  # fmt: skip
-    columns = ["batch_size", "sorted_us", "direct_us", "direct_over_sorted", "picked"]
+    columns = ["batch_size", "sorted_us", "direct_us", "direct_tile_us", "direct_over_sorted",
+               "picked"]  # fmt: skip
     print(table(side_by_side, [*columns, "roofline_us"]))
 
 
