@@ -215,12 +215,21 @@ LAYER_PDL: Options = (("norm_pdl", True), ("rotary_pdl", True), ("write_pdl", Tr
 LAYER_KNOBS = ("norm_pdl", "rotary_pdl", "write_pdl", "attention_pdl", "router_pdl", "pdl")
 
 
-# The PDL GEMV's (QKV, O) tiles before pdl_tiles' rule of the sixteenth session (QKV 4 rows a
-# program, O 2; run 1: 55.3 us a layer against 56.8 for these)
-OLD_GEMV: Options = (("qkv_tiles", GemvTiles(16, 256, prefetch_k=512)),
-                     ("o_tiles", GemvTiles(8, 512, prefetch_k=1024)))  # fmt: skip
-GEMV_WHOLE: Options = (("qkv_tiles", GemvTiles(4, 16, 4, 1, 2048)),
-                       ("o_tiles", GemvTiles(2, 16, 4, 1, 4096)))  # fmt: skip
+# The PDL GEMV's (QKV, O) tiles beside pdl_tiles' (QKV 4 rows a program, O 2, a quarter of the
+# depth before the wait): the fifteenth session's rule (run 1: 56.8 us a layer against 55.3), and
+# the whole depth before the wait (no loop after it)
+GEMV_TILES = {
+    "fifteenth session's": (GemvTiles(16, 256, prefetch_k=512), GemvTiles(8, 512, prefetch_k=1024)),
+    "whole depth, 4/2 rows": (GemvTiles(4, 16, 4, 1, 2048), GemvTiles(2, 16, 4, 1, 4096)),
+}
+
+
+def _gemv_options(name: str) -> Options:
+    qkv, o = GEMV_TILES[name]
+    return (("qkv_tiles", qkv), ("o_tiles", o))
+
+
+OLD_GEMV, GEMV_WHOLE = _gemv_options("fifteenth session's"), _gemv_options("whole depth, 4/2 rows")
 
 
 def _layer_variants() -> list[Variant]:

@@ -21,7 +21,7 @@ import re
 import pytest
 
 triton = pytest.importorskip("triton")
-from benchmarks.moe_b1_chains import GEMV_PREFETCH  # noqa: E402
+from benchmarks.moe_b1_chains import GEMV_TILES  # noqa: E402
 from dormant.layers import (  # noqa: E402
     triton_activation,
     triton_attention,
@@ -132,7 +132,7 @@ def test_the_attention_merge_triggers_after_its_wait() -> None:
 SHAPES = (QKV_SHAPE, O_SHAPE)
 GEMV_CASES = [(shape, None) for shape in SHAPES] + [
     (shape, tiles)
-    for pair in GEMV_PREFETCH.values()
+    for pair in GEMV_TILES.values()
     for shape, tiles in zip(SHAPES, pair, strict=True)
 ]
 

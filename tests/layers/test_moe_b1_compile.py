@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 triton = pytest.importorskip("triton")
-from benchmarks.moe_b1_chains import TILE_DOWN  # noqa: E402
+from benchmarks.moe_b1_chains import TILE_DOWN, TILE_UP  # noqa: E402
 from dormant.layers import triton_moe_direct, triton_router  # noqa: E402
 from tests.layers.test_triton_moe_compile import _compile, _router, _spill_bytes  # noqa: E402
 
@@ -27,6 +27,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 GATE_UP_ARGS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "ids_ptr": "*i32",
                 "N": "i32", "K": "i32", "stride_x": "i32", "stride_we": "i32",
                 "stride_wn": "i32", "stride_h": "i32"}  # fmt: skip
+GATE_UP_TILE_ARGS = {key: value for key, value in GATE_UP_ARGS.items() if key != "K"}
 DOWN_ARGS = {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "weights_ptr": "*fp32",
              "ids_ptr": "*i32", "N": "i32", "stride_h": "i32", "stride_we": "i32",
              "stride_wn": "i32", "stride_out": "i32"}  # fmt: skip
@@ -61,7 +62,27 @@ def test_the_gate_up_and_loop_down_kernels_compile(pdl: bool) -> None:
         _check_pdl(down, triggers=True)
 
 
-@pytest.mark.parametrize(("block_n", "num_warps"), TILE_DOWN)
+def _default_tiles(is_gate_up: bool) -> tuple[int, int]:
+    """ "tile-all"'s default (block_n, num_warps) at Qwen3-30B-A3B's gate/up or down."""
+    n, k = (768, 2048) if is_gate_up else (2048, 768)
+    config = triton_moe_direct.gemv_config(n, k, is_gate_up, "tile-all")
+    return config.block_n, config.num_warps
+
+
+@pytest.mark.parametrize(("block_n", "num_warps"), [_default_tiles(True), *TILE_UP])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_tile_gate_up_kernel_compiles(block_n: int, num_warps: int, pdl: bool) -> None:
+    """The whole depth in one tile a program: no spill at any swept tile; under PDL it waits
+    for the router's ids before any load, then lets the down kernel launch."""
+    constexprs = {"K": 2048, "K_PAD": 2048, "TOP_K": 8, "BLOCK_N": block_n, "USE_PDL": pdl}
+    kernel = _compile(triton_moe_direct._gate_up_tile_kernel, GATE_UP_TILE_ARGS, constexprs,
+                      num_warps)  # fmt: skip
+    assert _spill_bytes(kernel) == 0
+    if pdl:
+        _check_pdl(kernel, triggers=True)
+
+
+@pytest.mark.parametrize(("block_n", "num_warps"), [_default_tiles(False), *TILE_DOWN])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_the_tile_down_kernel_compiles_and_prefetches(block_n: int, num_warps: int, pdl: bool):
     constexprs = {"K": 768, "TOP_K": 8, "BLOCK_N": block_n, "K_PAD": 1024, "SLOTS_PAD": 8,
