@@ -16,7 +16,7 @@ Also per bucket: "copy on device", the plan's copies timed by CUDA events around
 ``benchmarks/refit.py`` sums as the engine side). ``--synced``: the sender finishes each
 bucket's packing before it sends it (``refit.py``'s engine-side mode), so no stage waits on it.
 
-    python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--sm-copies] [--out stages.jsonl]
+    python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--out stages.jsonl]
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
-from dormant.worker import byte_copy
 from dormant.worker.copy_plan import wait_for_copies
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET
@@ -80,10 +79,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--refits", type=int, default=3)
     parser.add_argument("--synced", action="store_true", help="the sender syncs before sending")
-    parser.add_argument("--sm-copies", action="store_true", help="bucket copies on the SMs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    byte_copy.SM_COPIES = args.sm_copies
     command = "run synced" if args.synced else "run"
     device = torch.device("cuda")
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
@@ -154,13 +151,12 @@ def main() -> None:
             ordered = sorted(values)
             recorder.emit(
                 case="ipc receiver stage", sender=mode, stage=stage, buckets=len(values),
-                sm_copies=args.sm_copies,
                 median_ms=statistics.median(values) * 1e3, mean_ms=statistics.mean(values) * 1e3,
                 p90_ms=ordered[int(0.9 * (len(ordered) - 1))] * 1e3, max_ms=ordered[-1] * 1e3,
             )  # fmt: skip
         plans = receiver.plans.of(model)
         recorder.emit(
-            case="ipc receiver totals", sender=mode, refits=args.refits, sm_copies=args.sm_copies,
+            case="ipc receiver totals", sender=mode, refits=args.refits,
             copies_per_bucket=statistics.mean(p.num_copies for p in plans),
             handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
             counter_files_mapped=receiver.handles.counters.num_mapped,

@@ -26,11 +26,7 @@ built as the engine builds it (on meta, adopted into a memory manager's ``weight
 parameters are back to back in module order). Not measured here: the time until the engine
 generates (``benchmarks/refit_to_generate.py``).
 
-``--sm-copies``: the receiver copies the buckets' bytes on the SMs (``byte_copy.py``), and the
-limit is also measured that way (every ratio is against the faster of the two limits).
-
 Usage: python benchmarks/refit.py [--out results.jsonl] [--bucket-mib 512] [--repeats 5]
-       [--sm-copies]
        python benchmarks/refit.py --tiny   (a tiny model on the CPU: checks the script runs)
 """
 
@@ -58,7 +54,6 @@ from benchmarks.common import MiB, Recorder, table
 from benchmarks.decode import QWEN3_8B_LIKE
 from dormant.memory import WEIGHTS, MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
-from dormant.worker import byte_copy
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import (
     FLATTENED_BUCKET,
@@ -112,15 +107,10 @@ def source_weights(shapes: Shapes, dtype: torch.dtype, device: torch.device, see
 
 
 def copy_limit(
-    num_bytes: int, device: torch.device, repeats: int, on_sms: bool = False
+    num_bytes: int, device: torch.device, repeats: int
 ) -> tuple[list[float], int | None]:
-    """One copy of ``num_bytes``: ``copy_`` (the copy engines), or ``on_sms`` the elementwise
-    kernel ``--sm-copies`` refits with (``byte_copy.py``)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    if on_sms:
-        words, out = src.view(torch.int32), dst.view(torch.int32)
-        return measure(lambda: torch.bitwise_or(words, 0, out=out), device, repeats)
     return measure(lambda: dst.copy_(src), device, repeats)
 
 
@@ -259,9 +249,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sm-copies", action="store_true", help="IPC bucket copies on the SMs")
     args = parser.parse_args()
-    byte_copy.SM_COPIES = args.sm_copies
     rec = Recorder(args.out)
     device = torch.device("cpu" if args.tiny else "cuda")
     config = ModelConfig.from_dict(TINY if args.tiny else QWEN3_8B_LIKE)
@@ -277,16 +265,12 @@ def main() -> None:
         num_tensors=len(shapes),
         bucket_bytes=args.bucket_mib * MiB,
         repeats=args.repeats,
-        sm_copies=args.sm_copies,
     )
     rows: list[dict[str, Any]] = []
-    limits: list[float] = []  # the ratios are against the fastest copy of the same bytes
 
     def report(case: str, times: list[float], peak: int | None, **extra: Any) -> None:
         seconds = statistics.median(times)
-        if case.startswith("limit"):
-            limits.append(seconds)
-        limit = min(limits)
+        limit = rows[0]["seconds"] if rows else seconds
         row = rec.emit(
             case=case,
             seconds=seconds,
@@ -301,9 +285,6 @@ def main() -> None:
         rows.append(row)
 
     report("limit (one device-to-device copy)", *copy_limit(weight_bytes, device, args.repeats))
-    if args.sm_copies:
-        sm_limit = copy_limit(weight_bytes, device, args.repeats, on_sms=True)
-        report("limit on the SMs (one bitwise_or kernel)", *sm_limit)
     for dtype, seed in ((config.dtype, 1), (torch.float32, 2)):
         weights = source_weights(shapes, dtype, device, seed)
         name = "bf16" if dtype == torch.bfloat16 else f"{str(dtype).removeprefix('torch.')} cast"
@@ -344,7 +325,7 @@ def main() -> None:
             peak,
             receiver_s=statistics.median(inside["run"]),
             engine_s=engine_s,
-            engine_of_limit=min(limits) / engine_s,
+            engine_of_limit=rows[0]["seconds"] / engine_s,
             engine_wall_s=statistics.median(engine_side),
             end_to_end_bound=None if mode == "direct" else PACKED_BOUND,
             copies_per_bucket=statistics.mean(p.num_copies for p in plans) if plans else None,

@@ -38,7 +38,6 @@ from torch import Tensor
 
 from dormant.models import CausalLM
 from dormant.models.weights import WeightTarget, is_ignored
-from dormant.worker.byte_copy import copy_bytes
 from dormant.worker.loader_trace import traced_copies
 from dormant.worker.transfer_errors import WeightTransferError
 
@@ -91,10 +90,8 @@ class _Run:
     dst: Tensor  # 1-D: uint8 when no cast is needed, else the destination's dtype
 
     def run(self, flat_bytes: Tensor) -> None:
-        if self.dst.dtype == torch.uint8:  # bytes (byte_copy.py: on the SMs or not)
-            copy_bytes(self.dst, flat_bytes[self.src_start : self.src_start + self.src_nbytes])
-            return
-        self.dst.copy_(source_view(flat_bytes, self.src_start, self.src_nbytes, self.src_dtype))
+        dtype = torch.uint8 if self.dst.dtype == torch.uint8 else self.src_dtype
+        self.dst.copy_(source_view(flat_bytes, self.src_start, self.src_nbytes, dtype))
 
 
 @dataclass(frozen=True)
