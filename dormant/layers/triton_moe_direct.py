@@ -10,12 +10,11 @@ sort, no host sync:
                          topk_ids[t, j]; one program per (token, BLOCK_N columns of H), looping
                          over the token's k experts in slot order
 
-Each program reduces one row of x (or h) against a ``[BLOCK_N, BLOCK_K]`` weight tile with
-multiply-adds in float32, no ``tl.dot``: one token per program, so nothing pads a matrix core's
-16 rows. The down kernel rounds each pair's result to the dtype, weights it, rounds again and
-adds it to a float32 sum in slot order, which is what the combine of the sorted path does: given
-the same pair results the output is bit-identical, deterministic, with no atomics and no
-``[T * k, H]`` buffer.
+Each program reduces one row of x (or h) against a weight tile with float32 multiply-adds, no
+``tl.dot`` (one token a program: nothing pads a matrix core's 16 rows). The down kernel rounds
+each pair's result to the dtype, weights it, rounds again and adds it to a float32 sum in slot
+order, as the sorted path's combine does: bit-identical given the same pair results, with no
+atomics and no ``[T * k, H]`` buffer.
 
 A pair re-reads its expert where another pair routes to it too (the sorted path reads each once):
 this path is for few pairs (``is_direct``), where the sort costs more than the rereads (in L2).
@@ -45,11 +44,11 @@ DIRECT_MAX_PAIRS = 32
 #   chain at batch 1, graph replay, per layer: loop + PDL 33.6 us, tile + PDL 31.8, tile-all +
 #   PDL 28.8; the experts alone at batch 1 / 2 / 4: tile 30.4 / 54.2 / 87.1 us, tile-all 27.3 /
 #   48.4 / 86.0; the engine's 48-layer step (its 4-step graph, with pdl_tiles' new rule) 2.105
-#   -> 1.95-1.98 x its roofline (results/2026-12-04-run2-*, -run3-*). Gate/up and down fused
-#   per block of the intermediate size, plus a combine, lost at every tile and was removed;
-# - USE_PDL: the kernels launch with programmatic dependent launch (triton_pdl.py): each one's
-#   launch hides behind the kernel before it, and the tile down kernel loads its weights before
-#   gate/up ends (on by default; bit-exact against plain launches, tests/gpu/test_triton_moe.py).
+#   -> 1.95-1.98 x its roofline (results/2026-12-04-run2-*, -run3-*). (Gate/up and down fused
+#   per block of I, plus a combine, lost at every tile.)
+# - USE_PDL: programmatic dependent launch (triton_pdl.py): each launch hides behind the kernel
+#   before it; the tile down kernel loads its weights before gate/up ends (bit-exact against plain
+#   launches, tests/gpu/test_triton_moe.py).
 KERNELS = "tile-all"
 USE_PDL = True
 KERNEL_CHOICES = ("loop", "tile", "tile-all")
@@ -57,8 +56,7 @@ KERNEL_CHOICES = ("loop", "tile", "tile-all")
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Tiles of one direct kernel: ``block_n`` output columns per program, ``block_k`` of the
-    reduction per step."""
+    """Tiles of one direct kernel: ``block_n`` output columns a program, ``block_k`` a step."""
 
     block_n: int
     block_k: int
@@ -97,16 +95,32 @@ def gemv_config(n: int, k: int, is_gate_up: bool, kernels: str = "loop") -> Gemv
 
 
 @triton.jit
+def _pair_of_program(ids_ptr, TOP_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """A gate/up program's (pair, token, expert); under PDL after the wait on the router's ids,
+    and then the down kernel may launch (triton_pdl.py)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pair = tl.program_id(0)
+    return pair, (pair // TOP_K).to(tl.int64), tl.load(ids_ptr + pair).to(tl.int64)
+
+
+@triton.jit
+def _store_silu_mul(h_ptr, pair, stride_h, cols, is_col, gate_sums, up_sums):
+    """``h = silu(gate) * up`` at the sorted path's rounding points, into the pair's row."""
+    dtype = h_ptr.dtype.element_ty
+    gate32 = gate_sums.to(dtype).to(tl.float32)
+    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype)
+    h = (silu.to(tl.float32) * up_sums.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=is_col)
+
+
+@triton.jit
 def _gate_up_direct_kernel(
     x_ptr, w_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:  # the router's ids are out; then the down kernel may launch (triton_pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    pair, token, expert = _pair_of_program(ids_ptr, TOP_K, USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     is_col = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -124,11 +138,7 @@ def _gate_up_direct_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    dtype = h_ptr.dtype.element_ty
-    gate32 = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
-    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype)  # the sorted path's formula
-    h = (silu.to(tl.float32) * tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=is_col)
+    _store_silu_mul(h_ptr, pair, stride_h, cols, is_col, tl.sum(acc_gate, 1), tl.sum(acc_up, 1))
 
 
 @triton.jit
@@ -137,28 +147,19 @@ def _gate_up_tile_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # _gate_up_direct_kernel's sums with the whole depth in one [BLOCK_N, K] tile per
-    # projection: every weight load of the program is issued at once, right after the wait
-    # (the expert is the router's), as _down_tile_kernel does for down
-    if USE_PDL:  # the router's ids are out; then the down kernel may launch (triton_pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    # _gate_up_direct_kernel's sums over one [BLOCK_N, K] tile per projection: every load of
+    # the program issues at once, right after the wait (as _down_tile_kernel's for down)
+    pair, token, expert = _pair_of_program(ids_ptr, TOP_K, USE_PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < N
     ks = tl.arange(0, K_PAD)
-    w_mask = (cols < N)[:, None] & (ks < K)[None, :]
+    w_mask = is_col[:, None] & (ks < K)[None, :]
     gate_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
     up = tl.load(gate_ptrs + N * stride_wn, mask=w_mask, other=0.0)  # the up rows follow
     x = tl.load(x_ptr + token * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
-    dtype = h_ptr.dtype.element_ty
-    gate32 = tl.sum(gate.to(tl.float32) * x, axis=1).to(dtype).to(tl.float32)
-    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(dtype)  # the sorted path's formula
-    up32 = tl.sum(up.to(tl.float32) * x, axis=1).to(dtype).to(tl.float32)
-    h = (silu.to(tl.float32) * up32).to(dtype)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=cols < N)
+    gate_sums, up_sums = tl.sum(gate.to(tl.float32) * x, 1), tl.sum(up.to(tl.float32) * x, 1)
+    _store_silu_mul(h_ptr, pair, stride_h, cols, is_col, gate_sums, up_sums)
 
 
 @triton.jit
@@ -262,10 +263,8 @@ def fused_experts_direct(
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     is_pdl = use_pdl(pdl, USE_PDL, x.device)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-    up, down = configs or (
-        gemv_config(inter, hidden, True, kernels),
-        gemv_config(hidden, inter, False, kernels),
-    )
+    up, down = configs or (gemv_config(inter, hidden, True, kernels),
+                           gemv_config(hidden, inter, False, kernels))  # fmt: skip
     num_pairs = num_tokens * top_k
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     up_grid = (num_pairs, triton.cdiv(inter, up.block_n))
