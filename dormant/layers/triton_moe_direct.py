@@ -44,8 +44,8 @@ DIRECT_MAX_PAIRS = 32
 #   chain at batch 1, graph replay, per layer: loop + PDL 33.6 us, tile + PDL 31.8, tile-all +
 #   PDL 28.8; the experts alone at batch 1 / 2 / 4: tile 30.4 / 54.2 / 87.1 us, tile-all 27.3 /
 #   48.4 / 86.0; the engine's 48-layer step (its 4-step graph, with pdl_tiles' new rule) 2.105
-#   -> 1.95-1.98 x its roofline (results/2026-12-04-run2-*, -run3-*). (Gate/up and down fused
-#   per block of I, plus a combine, lost at every tile.)
+#   -> 1.91-1.98 x its roofline (results/2026-12-04-run{2,3,6}-*). (Gate/up and down fused per
+#   block of I, plus a combine, lost at every tile.)
 # - USE_PDL: programmatic dependent launch (triton_pdl.py): each launch hides behind the kernel
 #   before it; the tile down kernel loads its weights before gate/up ends (bit-exact against plain
 #   launches, tests/gpu/test_triton_moe.py).
