@@ -57,10 +57,11 @@ def layer_chain() -> LayerChain:
 
 @pytest.mark.parametrize("name", [variant.name for variant in _layer_variants()])
 def test_the_layer_chain_replays_the_bits_of_plain_launches(layer_chain: LayerChain, name: str):
-    """Today's defaults (PDL in the attention, router and experts), + PDL in the norms, rotary
-    and KV write, + the PDL GEMV for QKV and O, all of them, and all with deeper GEMV
-    prefetches: 4 chained layers in one graph, replayed on fresh inputs, equal to their
-    kernels launched plainly, eagerly; tickets back at 0."""
+    """Every variant of the layer sweep (``_layer_variants``: cuBLAS projections without the
+    norm, rotary and KV-write PDL; the engine's defaults; the fifteenth session's GEMV tiles and
+    experts; the GEMV's whole depth before the wait; "tile-all"'s tiles around its default):
+    4 chained layers in one graph, replayed on fresh inputs, equal to their kernels launched
+    plainly, eagerly; tickets back at 0."""
     (variant,) = [v for v in layer_chain.variants if v.name == name]
     _check_replays_match(layer_chain, variant, layer_chain.reference(variant))
     assert all(int(ticket) == 0 for ticket in layer_chain.tickets)
