@@ -16,12 +16,17 @@ Also per bucket: "copy on device", the plan's copies timed by CUDA events around
 ``benchmarks/refit.py`` sums as the engine side). ``--synced``: the sender finishes each
 bucket's packing before it sends it (``refit.py``'s engine-side mode), so no stage waits on it.
 
-    python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--out stages.jsonl]
+    python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--modes new,reuse,pipelined]
+        [--profile] [--out stages.jsonl]
+
+``--profile``: cProfile's top functions (by their own time) of each mode's whole calls, printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -79,6 +84,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--refits", type=int, default=3)
     parser.add_argument("--synced", action="store_true", help="the sender syncs before sending")
+    parser.add_argument("--modes", default="new,reuse,pipelined", help="the senders' modes")
+    parser.add_argument("--profile", action="store_true", help="cProfile the whole calls")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     command = "run synced" if args.synced else "run"
@@ -86,7 +93,7 @@ def main() -> None:
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
     shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
     recorder = Recorder(args.out)
-    for mode in ("new", "reuse", "pipelined"):
+    for mode in args.modes.split(","):
         conn, child = get_context("spawn").Pipe()
         sender = get_context("spawn").Process(
             target=sender_main, args=(child, shapes, "cuda", args.bucket_mib * MiB, 3, mode)
@@ -135,14 +142,22 @@ def main() -> None:
             t0 = time.perf_counter()
             receiver.release()
             stages["release"].append(time.perf_counter() - t0)
+        profile = cProfile.Profile() if args.profile else None
         for _ in range(args.refits):
             conn.send(command)
             while (entries := conn.recv()) is not None:
                 t0 = time.perf_counter()
+                if profile is not None:
+                    profile.enable()
                 receiver.update_weights_from_tensor(model, entries, load_format=FLATTENED_BUCKET)
+                if profile is not None:
+                    profile.disable()
                 stages["whole call"].append(time.perf_counter() - t0)
                 conn.send(True)
             receiver.release()
+        if profile is not None:
+            print(f"== {mode}: the whole calls under cProfile (the stage times above are not)")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         conn.send("stop")
         sender.join()
         for stage, values in stages.items():
