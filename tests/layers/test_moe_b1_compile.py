@@ -74,12 +74,25 @@ def _default_tiles(is_gate_up: bool) -> tuple[int, int]:
 def test_the_tile_gate_up_kernel_compiles(block_n: int, num_warps: int, pdl: bool) -> None:
     """The whole depth in one tile a program: no spill at any swept tile; under PDL it waits
     for the router's ids before any load, then lets the down kernel launch."""
-    constexprs = {"K": 2048, "K_PAD": 2048, "TOP_K": 8, "BLOCK_N": block_n, "USE_PDL": pdl}
-    kernel = _compile(triton_moe_direct._gate_up_tile_kernel, GATE_UP_TILE_ARGS, constexprs,
-                      num_warps)  # fmt: skip
+    kernel = _tile_gate_up(2048, block_n, num_warps, pdl)
     assert _spill_bytes(kernel) == 0
     if pdl:
         _check_pdl(kernel, triggers=True)
+
+
+@pytest.mark.parametrize("hidden", [1536, 4096, 7168])
+def test_the_tile_gate_up_defaults_do_not_spill_at_larger_hidden_sizes(hidden: int) -> None:
+    """The default (2 warps, measured at 2048) holds the whole depth without spills at other
+    models' hidden sizes too (Qwen3-235B-A22B's 4096, DeepSeek-V3's 7168)."""
+    config = triton_moe_direct.gemv_config(768, hidden, True, "tile-all")
+    assert _spill_bytes(_tile_gate_up(hidden, config.block_n, config.num_warps, True)) == 0
+
+
+def _tile_gate_up(hidden: int, block_n: int, num_warps: int, pdl: bool):
+    constexprs = {"K": hidden, "K_PAD": triton.next_power_of_2(hidden), "TOP_K": 8,
+                  "BLOCK_N": block_n, "USE_PDL": pdl}  # fmt: skip
+    return _compile(triton_moe_direct._gate_up_tile_kernel, GATE_UP_TILE_ARGS, constexprs,
+                    num_warps)  # fmt: skip
 
 
 @pytest.mark.parametrize(("block_n", "num_warps"), [_default_tiles(False), *TILE_DOWN])
