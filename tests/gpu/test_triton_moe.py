@@ -53,7 +53,7 @@ if not INTERPRETED:  # Qwen3-30B-A3B's QKV and O projections at every skinny bat
 
 PATH_CASES = [(path, shape) for path in ("auto", "sorted") for shape in SHAPES] + [
     (path, shape)
-    for path in ("direct", "direct-loop", "direct-tile-all")
+    for path in ("direct", "direct-loop", "direct-tile")
     for shape in SHAPES + checks.DIRECT_SHAPES
 ]
 

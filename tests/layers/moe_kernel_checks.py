@@ -30,7 +30,7 @@ PATHS = {
     "sorted": fused_experts_sorted,
     "direct": fused_experts_direct,  # KERNELS, "tile-all"
     "direct-loop": partial(fused_experts_direct, kernels="loop"),
-    "direct-tile-all": partial(fused_experts_direct, kernels="tile-all"),
+    "direct-tile": partial(fused_experts_direct, kernels="tile"),  # the fifteenth session's
 }
 # (tokens, experts, top_k, hidden, intermediate): decode sizes, top_k 1/2/8, odd sizes
 # (small for the interpreter, which runs about 50 programs a second)

@@ -17,7 +17,7 @@ import torch
 from tests.layers import moe_kernel_checks as checks
 for shape in checks.DIRECT_SHAPES:
     for dtype in (torch.float32, torch.float16):
-        for path in ("direct", "direct-loop", "direct-tile-all"):
+        for path in ("direct", "direct-loop", "direct-tile"):
             checks.check_path_matches_reference(path, shape, dtype, "cpu")
     checks.check_direct_is_bit_exact(shape, torch.float16, "cpu")
     print("ok", shape)
