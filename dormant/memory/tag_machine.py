@@ -50,12 +50,14 @@ _ASLEEP_POLICY = {TagState.OFFLOADED: Policy.HOST, TagState.DISCARDED: Policy.DI
 def tag_state(allocations: Iterable[Allocation]) -> TagState:
     """AWAKE when every allocation is MAPPED (or there is none), OFFLOADED or DISCARDED when
     every one is, PARTIAL otherwise."""
-    states = {a.state for a in allocations}
-    if not states:
+    each = iter(allocations)
+    first = next(each, None)
+    if first is None:
         return TagState.AWAKE
-    if len(states) == 1:
-        return _UNIFORM.get(states.pop(), TagState.PARTIAL)
-    return TagState.PARTIAL
+    state = first.state
+    if any(a.state is not state for a in each):  # by identity: an Enum hashes in Python
+        return TagState.PARTIAL
+    return _UNIFORM.get(state, TagState.PARTIAL)
 
 
 def tag_states(pools: Mapping[str, TagPool]) -> dict[str, TagState]:
