@@ -35,7 +35,7 @@ from dormant.worker.ipc_payload import (
     decode_entry,
     unpickle_entry,
 )
-from dormant.worker.ipc_weights import bucket_items, layout_of
+from dormant.worker.ipc_weights import as_bytes, bucket_items, layout_of
 from dormant.worker.transfer_errors import WeightTransferError
 
 MAX_SKELETONS = 1024  # bucket keys kept per receiver; the oldest goes first
@@ -70,7 +70,7 @@ class _Skeleton:
         kept = self.layouts.get(flat.dtype)
         if kept is None or kept[1] > flat.numel():
             kept = self.layouts[flat.dtype] = layout_of(flat, self.metadata)  # raises
-        return flat.view(torch.uint8), kept[0]
+        return as_bytes(flat), kept[0]
 
 
 class PayloadSkeletons:

@@ -180,14 +180,14 @@ def bucket_items(payload: Any) -> tuple[Tensor, BucketLayout]:
     except TypeError:  # an unhashable field (a list for a shape): not kept
         key = kept = None
     if kept is not None and kept[1] <= flat.numel():
-        return flat.view(torch.uint8), kept[0]
+        return as_bytes(flat), kept[0]
     layout, end = layout_of(flat, payload["metadata"])
     if key is not None:
         with _LAYOUTS_LOCK:  # ranks may be threads of one process
             while len(_LAYOUTS) >= MAX_LAYOUTS:
                 del _LAYOUTS[next(iter(_LAYOUTS))]
             _LAYOUTS[key] = (layout, end)
-    return flat.view(torch.uint8), layout
+    return as_bytes(flat), layout
 
 
 MAX_LAYOUTS = 4096  # distinct bucket layouts kept by ``bucket_items``; the oldest goes first
@@ -204,6 +204,12 @@ def _layout_key(flat_dtype: torch.dtype, metadata: Any) -> tuple[Any, ...] | Non
     ):
         return None
     return (flat_dtype, *map(_METADATA_FIELDS, metadata))
+
+
+def as_bytes(flat: Tensor) -> Tensor:
+    """A contiguous 1-D buffer as uint8 bytes (itself when it is bytes already, as SGLang's
+    multi-dtype buckets are)."""
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
 
 
 def layout_of(flat: Tensor, metadata: Any) -> tuple[BucketLayout, int]:
