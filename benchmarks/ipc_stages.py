@@ -17,7 +17,7 @@ Also per bucket: "copy on device", the plan's copies timed by CUDA events around
 bucket's packing before it sends it (``refit.py``'s engine-side mode), so no stage waits on it.
 
     python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--modes new,reuse,pipelined]
-        [--profile] [--torch-copies] [--out stages.jsonl]
+        [--profile] [--out stages.jsonl]
 
 ``--profile``: cProfile's top functions (by their own time) of each mode's whole calls, printed.
 """
@@ -43,7 +43,6 @@ from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
-from dormant.worker import raw_copies
 from dormant.worker.copy_plan import wait_for_copies
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET
@@ -87,12 +86,8 @@ def main() -> None:
     parser.add_argument("--synced", action="store_true", help="the sender syncs before sending")
     parser.add_argument("--modes", default="new,reuse,pipelined", help="the senders' modes")
     parser.add_argument("--profile", action="store_true", help="cProfile the whole calls")
-    parser.add_argument(
-        "--torch-copies", action="store_true", help="copy through torch, not the driver"
-    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    raw_copies.ENABLED = not args.torch_copies  # before any plan is built
     command = "run synced" if args.synced else "run"
     device = torch.device("cuda")
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
@@ -125,19 +120,12 @@ def main() -> None:
                 t1 = time.perf_counter()
                 plan = receiver.plans.get(model, items)
                 t2 = time.perf_counter()
-                raw = plan.raw if plan.raw is not None and plan.raw.can_copy(flat_bytes) else None
                 copy_start.record()
-                if raw is not None:  # as CopyPlan.run copies: to the driver
-                    raw.issue(flat_bytes)
-                else:
-                    for step in plan.steps:
-                        step.run(flat_bytes)
+                for step in plan.steps:
+                    step.run(flat_bytes)
                 copy_end.record()
                 t3 = time.perf_counter()
-                if raw is not None:
-                    raw.wait()
-                else:
-                    wait_for_copies({flat_bytes.device})
+                wait_for_copies({flat_bytes.device})
                 t4 = time.perf_counter()
                 stages["copy on device"].append(copy_start.elapsed_time(copy_end) / 1e3)
                 del flat_bytes
@@ -184,7 +172,6 @@ def main() -> None:
         plans = receiver.plans.of(model)
         recorder.emit(
             case="ipc receiver totals", sender=mode, refits=args.refits,
-            raw_copies=all(p.raw is not None for p in plans),
             copies_per_bucket=statistics.mean(p.num_copies for p in plans),
             handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
             counter_files_mapped=receiver.handles.counters.num_mapped,

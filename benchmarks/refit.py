@@ -27,7 +27,6 @@ parameters are back to back in module order). Not measured here: the time until 
 generates (``benchmarks/refit_to_generate.py``).
 
 Usage: python benchmarks/refit.py [--out results.jsonl] [--bucket-mib 512] [--repeats 5]
-           [--torch-copies]  (IPC buckets copied through torch: the engine before raw_copies.py)
        python benchmarks/refit.py --tiny   (a tiny model on the CPU: checks the script runs)
 """
 
@@ -55,7 +54,6 @@ from benchmarks.common import MiB, Recorder, table
 from benchmarks.decode import QWEN3_8B_LIKE
 from dormant.memory import WEIGHTS, MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
-from dormant.worker import raw_copies
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import (
     FLATTENED_BUCKET,
@@ -251,13 +249,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--torch-copies",
-        action="store_true",
-        help="IPC buckets through torch, not the driver",
-    )
     args = parser.parse_args()
-    raw_copies.ENABLED = not args.torch_copies  # before any plan is built
     rec = Recorder(args.out)
     device = torch.device("cpu" if args.tiny else "cuda")
     config = ModelConfig.from_dict(TINY if args.tiny else QWEN3_8B_LIKE)
@@ -269,7 +261,6 @@ def main() -> None:
         case="setup",
         device=str(device),
         torch=torch.__version__,
-        raw_copies=raw_copies.ENABLED,
         weight_bytes=weight_bytes,
         num_tensors=len(shapes),
         bucket_bytes=args.bucket_mib * MiB,

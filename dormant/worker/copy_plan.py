@@ -18,8 +18,7 @@ running them. A refit of that bucket then only issues the recorded copies::
 
 The engine's parameters are views of one pool block laid out in module order (``adopt``), so a
 bucket packed in the model's own order is one ``_Run``. Consecutive runs merge only in bucket
-order, so overlapping writes (an alias beside its names) keep ``load_weights``'s order. A plan
-of byte runs only, on one CUDA device, issues them to the driver (``raw_copies.py``).
+order, so overlapping writes (an alias beside its names) keep ``load_weights``'s order.
 
 Invariants: a plan is only built from entries ``check_weights`` accepted (errors are raised at
 build time, before any write, and such a plan is never cached); a plan is used only while its
@@ -40,7 +39,6 @@ from torch import Tensor
 from dormant.models import CausalLM
 from dormant.models.weights import WeightTarget, is_ignored
 from dormant.worker.loader_trace import traced_copies
-from dormant.worker.raw_copies import RawRuns, raw_runs_of
 from dormant.worker.transfer_errors import WeightTransferError
 
 
@@ -134,7 +132,6 @@ class CopyPlan:
     addresses: tuple[int, ...]  # each target's data address
     offsets: tuple[int, ...]  # each target's offset in its storage (elements)
     devices: frozenset[torch.device]  # the targets'
-    raw: RawRuns | None = None  # the steps as driver copies, when all are byte runs on one GPU
 
     @property
     def num_copies(self) -> int:
@@ -166,15 +163,11 @@ class CopyPlan:
         observer = model.weight_observer
         if observer is not None:
             observer.before_write()  # a refusal writes nothing and marks nothing stale
-        raw = self.raw
         try:
-            if raw is not None and raw.can_copy(flat_bytes):
-                raw.issue_and_wait(flat_bytes)
-            else:
-                with torch.no_grad():
-                    for step in self.steps:
-                        step.run(flat_bytes)
-                wait_for_copies({flat_bytes.device, *self.devices})
+            with torch.no_grad():
+                for step in self.steps:
+                    step.run(flat_bytes)
+            wait_for_copies({flat_bytes.device, *self.devices})
         except BaseException as error:
             if observer is not None:
                 observer.failed()
@@ -220,11 +213,8 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
     offsets = tuple(int(t.storage_offset()) for t in tensors)
     num_bytes = max((item.start + item.nbytes for item in items), default=0)
     devices = frozenset(t.device for t in tensors)
-    steps = _merged(spans)
-    byte_runs = [(s.dst, s.src_start, s.src_nbytes) for s in steps if isinstance(s, _Run)]
-    raw = raw_runs_of(byte_runs) if len(byte_runs) == len(steps) else None
     return CopyPlan(
-        steps, frozenset(names), num_bytes, table, tensors, addresses, offsets, devices, raw
+        _merged(spans), frozenset(names), num_bytes, table, tensors, addresses, offsets, devices
     )
 
 

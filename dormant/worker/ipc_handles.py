@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 from torch.multiprocessing import reductions
 
-from dormant.memory.cuda_driver import call
 from dormant.worker.ipc_counters import RefCounterFiles
 from dormant.worker.transfer_errors import WeightTransferError
 
@@ -49,15 +48,8 @@ def open_shared_cuda(*args: Any) -> torch.UntypedStorage:
 
 
 def wait_on_ipc_event(device: int, event_handle: bytes) -> None:
-    """Makes this thread's current stream on ``device`` wait for the sender's event. On the
-    current device, a driver call on the raw stream (``torch.cuda.current_stream`` builds a
-    Python object each call; a driver call needs the device's context current)."""
-    event = torch.cuda.Event.from_ipc_handle(device, event_handle)
-    if torch.cuda.current_device() == device:
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        call("cuStreamWaitEvent", stream, event.cuda_event, 0)
-    else:
-        event.wait(torch.cuda.current_stream(device))
+    stream = torch.cuda.current_stream(device)
+    torch.cuda.Event.from_ipc_handle(device, event_handle).wait(stream)
 
 
 class _Held:

@@ -44,8 +44,6 @@ def test_every_share_is_released_and_the_weights_arrive(mode: str) -> None:
         for _ in range(REFITS):
             ipc_case(receiver, model, conn, load_format, "run")  # ends with release()
             assert receiver.handles.num_held == 0
-        if load_format == FLATTENED_BUCKET:  # every bucket's copies went to the driver
-            assert all(plan.raw is not None for plan in receiver.plans.of(model))
         received = checksum([p.detach() for p in model.parameters()])
         assert math.isclose(received, sent, rel_tol=1e-9)
         handles, counters = receiver.handles, receiver.handles.counters
