@@ -7,18 +7,18 @@ re-implemented (``loader_trace.py``): each runs once on a ``meta`` probe of the 
 under a dispatch mode that records its ``copy_`` calls (destination view, source view) instead of
 running them. A refit of that bucket then only issues the recorded copies::
 
-    step        recorded copy                                    launches per bucket
-    ──────────  ───────────────────────────────────────────────  ──────────────────────────────
-    _Run        source slice and destination both contiguous     one per run of tensors that
-                (same dtype: bytes; else cast on copy)            are adjacent in both the bucket
-                                                                 and the parameters' storage
-    _Strided    a strided source (a TP shard along dim 1)        one per copy
-    _LoaderCall a loader that does more than ``copy_``           the loader itself, as
-                                                                 ``load_weights`` would
+    step         recorded copy                                    launches per bucket
+    ───────────  ───────────────────────────────────────────────  ──────────────────────────────
+    Run          source slice and destination both contiguous     one per run of tensors that
+                 (same dtype: bytes; else cast on copy)           are adjacent in both the bucket
+                                                                  and the parameters' storage
+    StridedCopy  a strided source (a TP shard along dim 1)        one per copy
+    LoaderCall   a loader that does more than ``copy_``           the loader itself, as
+                                                                  ``load_weights`` would
 
 The engine's parameters are views of one pool block laid out in module order (``adopt``), so a
-bucket packed in the model's own order is one ``_Run``. Consecutive runs merge only in bucket
-order, so overlapping writes (an alias beside its names) keep ``load_weights``'s order.
+bucket packed in the model's own order is one ``Run``. How a plan is built from the traces, and
+its runs merged, is ``plan_builder.py``.
 
 Invariants: a plan is only built from entries ``check_weights`` accepted (errors are raised at
 build time, before any write, and such a plan is never cached); a plan is used only while its
@@ -30,15 +30,14 @@ object for the same metadata, whose hash is computed once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dormant.models import CausalLM
-from dormant.models.weights import WeightTarget, is_ignored
-from dormant.worker.loader_trace import traced_copies
+from dormant.models.weights import WeightTarget
 from dormant.worker.transfer_errors import WeightTransferError
 
 
@@ -83,7 +82,7 @@ def source_view(flat_bytes: Tensor, start: int, nbytes: int, dtype: torch.dtype)
 
 
 @dataclass(frozen=True)
-class _Run:
+class Run:
     src_start: int
     src_nbytes: int
     src_dtype: torch.dtype
@@ -95,7 +94,7 @@ class _Run:
 
 
 @dataclass(frozen=True)
-class _Strided:
+class StridedCopy:
     item: BucketItem
     offset: int  # elements, relative to the item's first element
     size: tuple[int, ...]
@@ -109,7 +108,7 @@ class _Strided:
 
 
 @dataclass(frozen=True)
-class _LoaderCall:
+class LoaderCall:
     item: BucketItem
     target: WeightTarget
 
@@ -119,12 +118,12 @@ class _LoaderCall:
         target.loader(target.tensor, tensor, target.shard_id)
 
 
-_Step = _Run | _Strided | _LoaderCall
+Step = Run | StridedCopy | LoaderCall
 
 
 @dataclass(frozen=True)
 class CopyPlan:
-    steps: tuple[_Step, ...]
+    steps: tuple[Step, ...]
     names: frozenset[str]  # what a run writes (an alias: the names it covers)
     num_bytes: int  # the buffer must hold at least this many bytes
     table: dict[str, WeightTarget]
@@ -186,101 +185,3 @@ def wait_for_copies(devices: set[torch.device]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-
-
-def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
-    """Validates ``items`` (``WeightError`` naming every bad entry; nothing is written), then
-    traces each one's loader and merges adjacent runs."""
-    model.check_weights([(item.name, item.shape, item.dtype) for item in items])
-    table, is_tied = model.weight_table(), model.config.tie_word_embeddings
-    spans: list[_Span | _Strided | _LoaderCall] = []
-    names: set[str] = set()
-    targets: dict[int, Tensor] = {}
-    storages: dict[int, Tensor] = {}  # storage address -> uint8 tensor over the whole storage
-    for item in items:
-        target = table.get(item.name)
-        if target is None or is_ignored(item.name, is_tied):
-            continue  # a name check_weights accepts and load_weights skips (MiMo's MTP layers)
-        targets[id(target.tensor)] = target.tensor
-        names.update(target.covers or (item.name,))
-        copies = traced_copies(target, item.shape, item.dtype)
-        if copies is None:
-            spans.append(_LoaderCall(item, target))
-            continue
-        spans.extend(_step_of(item, dst, src, storages) for dst, src in copies if dst.numel())
-    tensors = tuple(targets.values())
-    addresses = tuple(t.data_ptr() for t in tensors)
-    offsets = tuple(int(t.storage_offset()) for t in tensors)
-    num_bytes = max((item.start + item.nbytes for item in items), default=0)
-    devices = frozenset(t.device for t in tensors)
-    return CopyPlan(
-        _merged(spans), frozenset(names), num_bytes, table, tensors, addresses, offsets, devices
-    )
-
-
-# ── merging ────────────────────────────────────────────────────────────────────
-
-
-@dataclass(frozen=True)
-class _Span:
-    """A contiguous copy before merging: source bytes and destination bytes in one storage."""
-
-    src_start: int
-    src_dtype: torch.dtype
-    storage: Tensor  # uint8 over the destination's whole storage
-    dst_start: int
-    dst_dtype: torch.dtype
-    numel: int
-
-    def follows(self, other: _Span) -> bool:
-        return (
-            self.src_dtype == other.src_dtype
-            and self.dst_dtype == other.dst_dtype
-            and self.storage is other.storage
-            and self.src_start == other.src_start + other.numel * other.src_dtype.itemsize
-            and self.dst_start == other.dst_start + other.numel * other.dst_dtype.itemsize
-        )
-
-    def run_step(self) -> _Run:
-        nbytes = self.numel * self.dst_dtype.itemsize
-        dst = self.storage[self.dst_start : self.dst_start + nbytes]
-        if self.src_dtype != self.dst_dtype:
-            dst = dst.view(self.dst_dtype)
-        return _Run(self.src_start, self.numel * self.src_dtype.itemsize, self.src_dtype, dst)
-
-
-def _step_of(
-    item: BucketItem, dst: Tensor, src: Tensor, storages: dict[int, Tensor]
-) -> _Span | _Strided:
-    if not (dst.is_contiguous() and src.is_contiguous()):
-        return _Strided(item, int(src.storage_offset()), tuple(src.shape), src.stride(), dst)
-    untyped = dst.untyped_storage()
-    storage = storages.get(untyped.data_ptr())
-    if storage is None:
-        storage = torch.empty(0, dtype=torch.uint8, device=dst.device).set_(untyped)
-        storages[untyped.data_ptr()] = storage
-    src_start = item.start + int(src.storage_offset()) * item.dtype.itemsize
-    dst_start = int(dst.storage_offset()) * dst.element_size()
-    return _Span(src_start, item.dtype, storage, dst_start, dst.dtype, dst.numel())
-
-
-def _merged(spans: Sequence[_Span | _Strided | _LoaderCall]) -> tuple[_Step, ...]:
-    steps: list[_Step] = []
-    pending: _Span | None = None
-    for span in spans:
-        if isinstance(span, _Span) and pending is not None and span.follows(pending):
-            pending = _Span(
-                pending.src_start, pending.src_dtype, pending.storage, pending.dst_start,
-                pending.dst_dtype, pending.numel + span.numel,
-            )  # fmt: skip
-            continue
-        if pending is not None:
-            steps.append(pending.run_step())
-            pending = None
-        if isinstance(span, _Span):
-            pending = span
-        else:
-            steps.append(span)
-    if pending is not None:
-        steps.append(pending.run_step())
-    return tuple(steps)

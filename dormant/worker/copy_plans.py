@@ -12,7 +12,8 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from dormant.models import CausalLM
-from dormant.worker.copy_plan import BucketItem, BucketLayout, CopyPlan, build_plan
+from dormant.worker.copy_plan import BucketItem, BucketLayout, CopyPlan
+from dormant.worker.plan_builder import build_plan
 
 MAX_PLANS_PER_MODEL = 1024  # distinct bucket layouts kept per model; the oldest goes first
 

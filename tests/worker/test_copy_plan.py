@@ -15,7 +15,8 @@ from torch import Tensor
 
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, WeightError, build_model
-from dormant.worker.copy_plan import _LoaderCall, _Run, _Strided
+from dormant.worker import plan_builder
+from dormant.worker.copy_plan import LoaderCall, Run, StridedCopy
 from dormant.worker.copy_plans import CopyPlans
 from dormant.worker.ipc_weights import bucket_items, make_flattened_bucket
 from dormant.worker.refit_record import RefitRecord
@@ -34,6 +35,7 @@ TINY_MOE = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
 }  # fmt: skip
 Named = list[tuple[str, Tensor]]
+PIECE = 40_000  # bytes: the tiny model's one run (854,528 bytes of fp32) in 22 pieces
 
 
 def tiny(config: dict, dtype: str = "float32", pooled: bool = True) -> CausalLM:
@@ -105,9 +107,27 @@ def test_a_bucket_in_the_models_order_is_one_copy() -> None:
     model, plans = tiny(TINY_LLAMA), CopyPlans()
     named = new_weights(model, 1)
     plan = plan_of(plans, model, named)
-    assert plan.num_copies == 1 and isinstance(plan.steps[0], _Run)
+    assert plan.num_copies == 1 and isinstance(plan.steps[0], Run)
     assert refit(plans, model, named) == set(model.expected_weight_shapes())
     assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+
+
+def test_a_long_byte_run_is_cut_into_pieces_and_a_cast_stays_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(plan_builder, "MAX_RUN_BYTES", PIECE)
+    model, plans = tiny(TINY_LLAMA), CopyPlans()
+    named = new_weights(model, 1)
+    plan = plan_of(plans, model, named)
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    assert plan.num_copies == -(-total // PIECE) and all(isinstance(s, Run) for s in plan.steps)
+    assert [s.src_start for s in plan.steps] == list(range(0, total, PIECE))
+    assert all(s.src_nbytes == s.dst.numel() <= PIECE for s in plan.steps)
+    refit(plans, model, named)
+    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+    cast_model = tiny(TINY_LLAMA, "bfloat16")
+    cast = new_weights(cast_model, 2)  # fp32 into bf16: one casting run, not cut
+    assert plan_of(CopyPlans(), cast_model, cast).num_copies == 1
 
 
 def test_a_trainers_order_merges_what_is_adjacent_in_both() -> None:
@@ -156,7 +176,7 @@ def test_strided_copies_of_fused_experts() -> None:
     generator = torch.Generator().manual_seed(6)
     named = [(n, torch.randn(table[n].full_shape, generator=generator)) for n in fused]
     plan = plan_of(plans, model, named)
-    assert [type(s) for s in plan.steps] == [_Strided] * 2 * len(fused)
+    assert [type(s) for s in plan.steps] == [StridedCopy] * 2 * len(fused)
     before = state(model)
     assert refit(plans, model, named) == {n for f in fused for n in table[f].covers}
     reference = tiny(TINY_MOE, pooled=False)
@@ -177,7 +197,7 @@ def test_a_loader_that_does_more_than_copy_runs_itself() -> None:
     table[name] = dataclasses.replace(table[name], loader=scaled_loader)
     named = new_weights(model, 7)
     plan = plan_of(plans, model, named)
-    assert sum(isinstance(s, _LoaderCall) for s in plan.steps) == 1
+    assert sum(isinstance(s, LoaderCall) for s in plan.steps) == 1
     refit(plans, model, named)
     assert torch.equal(model.model.norm.weight, 2.0 * dict(named)[name])
 
