@@ -64,18 +64,10 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # The fourteenth session's refactors, CPU-tested only: graph capture moved into
-  # worker/rank_steps.py (plain and speculative ranks), sampling into worker/step_sampler.py,
-  # the engine's step into engine/step_pipeline.py. The engine GPU tests that capture and
-  # replay graphs, sample with logprobs and run speculative decoding cover them; then the
-  # rollout at dormant's default max_num_seqs (64), async scheduling on and off.
-  python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_async_scheduling_gpu.py \
-    tests/gpu/test_engine_graphs.py tests/gpu/test_logprobs_gpu.py \
-    tests/gpu/test_multi_step_sampling_gpu.py tests/gpu/test_spec_decode_gpu.py \
-    tests/gpu/test_moe_lifecycle.py 2>&1 | tee "$OUT/pending-gpu-tests.log"
-  status=$((status | PIPESTATUS[0]))
-  python3 benchmarks/rollout.py --multi-steps 4 --max-num-seqs 64 --out "$OUT/rollout-64.jsonl" \
-    2>&1 | tee "$OUT/rollout-64.log"
+  # The seventeenth session's issue-13 probes, not yet run: the host cost of one bucket copy's
+  # enqueue by size and memory (benchmarks/copy_enqueue.py), and refit.py with the plans' byte
+  # runs in pieces of 128 / 32 MiB against one copy a run (plan_builder.MAX_RUN_BYTES).
+  RUN=pending bash benchmarks/results/2026-12-04b-pending-run.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit $status
