@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dormant.core.commands import PUBLIC_RPC, Command
+from dormant.core.commands import Command
 from dormant.core.config import EngineConfig
 from dormant.core.sampling_params import SamplingParams
 from dormant.engine.block_manager import BlockManager
@@ -44,6 +44,7 @@ from dormant.engine.output_processor import OutputProcessor
 from dormant.engine.outputs import RequestOutput
 from dormant.engine.refits import WeightRefits
 from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, make_request_input
+from dormant.engine.rpc_routes import route_rpc
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import SequenceFactory
 from dormant.engine.sleep_control import SleepControl
@@ -271,33 +272,10 @@ class LLMEngine:
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> list[Any]:
-        """Calls ``method`` on every rank; returns one result per rank, in rank order, for
-        every method (vLLM's shape). ``method`` is a built-in (``PUBLIC_RPC``), a method of the
-        ``worker_extension_cls``, or a callable ``fn(worker, *args, **kwargs)`` (sent pickled by
-        value to worker processes). Sleep, wake and refits go through the engine's own methods,
-        so its view of the workers stays right: they return each rank's ``RankSleepState``
-        (sleep, wake) or the names each rank wrote (refits). ``timeout`` is accepted for vLLM's
-        callers; commands are bounded by the executor's own timeout."""
-        kwargs = kwargs or {}
-        if callable(method) or method not in PUBLIC_RPC:
-            # Code of the caller's may write weights or KV memory by any means: cached KV is
-            # dropped whatever it did (and whether or not it failed).
-            try:
-                return self.refits.run_callers_code(method, tuple(args), kwargs)
-            finally:
-                self.reset_prefix_cache()
-        command = PUBLIC_RPC[method]
-        if command is Command.SLEEP:
-            self.sleep(*args, **kwargs)
-            return list(self.sleep_control.ranks)
-        if command is Command.WAKE_UP:
-            self.wake_up(*args, **kwargs)
-            return list(self.sleep_control.ranks)
-        if command is Command.RELOAD_WEIGHTS:
-            return self.reload_weights(*args, **kwargs)
-        if command is Command.UPDATE_WEIGHTS:
-            return self.update_weights(*args, **kwargs)
-        return self._commands.run(command, *args, **kwargs)
+        """Calls ``method`` on every rank; returns one result per rank, in rank order (vLLM's
+        shape). Where each kind of method goes is ``rpc_routes.py``. ``timeout`` is accepted
+        for vLLM's callers; commands are bounded by the executor's own timeout."""
+        return route_rpc(self, self._commands, method, tuple(args), kwargs or {})
 
     # ── the prefix cache ──────────────────────────────────────────────────────────────────────
 
