@@ -66,7 +66,8 @@ fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
   # The seventeenth session's issue-13 probes, not yet run: the host cost of one bucket copy's
   # enqueue by size and memory (benchmarks/copy_enqueue.py), and refit.py with the plans' byte
-  # runs in pieces of 128 / 32 MiB against one copy a run (plan_builder.MAX_RUN_BYTES).
+  # runs in pieces of 128 / 32 MiB against one copy a run (plan_builder.MAX_RUN_BYTES); and
+  # issue 16's benchmarks/overlap_probe.py (two half-batches on two streams at batch 512).
   RUN=pending bash benchmarks/results/2026-12-04b-pending-run.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
 fi

@@ -5,12 +5,15 @@
 # copy_enqueue.py times the enqueue by size and end of either copy (torch, the weights pool, IPC),
 # and whether copies in pieces let the device start sooner; then refit.py with the plan's byte
 # runs in pieces of at most 128 / 32 MiB against one copy a run, alternating, and ipc_stages at 128.
+# Issue 16: overlap_probe.py, whether two half-batches on two streams overlap the batch-512
+# step's GEMMs with its attention.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 P=$OUT/${RUN:-pending}
 timeout 90 python3 benchmarks/copy_enqueue.py --out $P-copy-enqueue.jsonl > $P-copy-enqueue.log 2>&1; echo "rc=$?" >> $P-copy-enqueue.log
 for mib in 0 128 32 0 128 32; do
   timeout 100 python3 benchmarks/refit.py --bucket-mib 512 --repeats 3 --max-run-mib $mib --out $P-refit.jsonl >> $P-refit-$mib.log 2>&1; echo "rc=$?" >> $P-refit-$mib.log
 done
+timeout 150 python3 benchmarks/overlap_probe.py --out $P-overlap.jsonl > $P-overlap.log 2>&1; echo "rc=$?" >> $P-overlap.log
 timeout 100 python3 benchmarks/ipc_stages.py --synced --refits 3 --modes new,reuse --max-run-mib 128 --out $P-ipc-stages.jsonl > $P-ipc-stages.log 2>&1; echo "rc=$?" >> $P-ipc-stages.log
 python3 - "$P-copy-enqueue.jsonl" "$P-ipc-stages.jsonl" <<'PY'
 import json, sys
@@ -27,3 +30,4 @@ for line in open(sys.argv[2]):
 PY
 for mib in 0 128 32; do echo "== $mib"; grep -E "^ipc buckets of 512 MiB, (a new|one reused)|^limit" $P-refit-$mib.log | cut -c1-40,100-160; done
 tail -3 $P-copy-enqueue.log
+grep -v '^{' $P-overlap.log | tail -12
