@@ -13,7 +13,8 @@ arguments itself and keeps the storages it opened::
     size or device)               waits on the event, keeps this share's counter until the
                                   storage dies)
     held                          views the held storage (``as_strided`` of a base tensor kept
-                                  per dtype), releases this share's counter in the mapped file
+                                  per dtype; the last view again for the same arguments),
+                                  releases this share's counter in the mapped file
                                   (``ipc_counters.RefCounterFiles``), waits on this share's event
 
 Each share of a tensor (every bucket, even of the same buffer) has its own counter slot and its
