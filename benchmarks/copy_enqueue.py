@@ -4,11 +4,16 @@ either end, and whether issuing it in chunks lets the device start before the ho
 
 The engine's bucket copy is one ``cudaMemcpyAsync`` of 512 MiB; its enqueue takes about 0.09 ms
 of host time on the H200's host, whatever issues it (torch's ``copy_`` or the driver's
-``cuMemcpyAsync``, run 1), and the device starts only once it returned. Per case (source and
-destination: plain torch allocations, the engine's ``weights`` pool (a ``MemoryManager`` on the
-GPU: VMM-mapped), and a buffer another process shares by CUDA IPC, as a trainer does), it prints
-per size the median host time of the enqueue alone, and per chunk count the median time from the
-first enqueue to the end of the copy (``torch.cuda.synchronize``), with ``--repeats`` copies.
+``cuMemcpyAsync``, the seventeenth session's run 1), and the device starts only once it
+returned. Larger buckets did not amortize the host's part as a fixed cost would: in RESULTS.md's
+"2026-12-01, third session" (run 5), a bucket's time beyond its copy was about 0.45 ms at 512 MiB
+and about 1 ms at 2 GiB (engine side 0.41 / 0.38 x and 0.50 / 0.41 x, reused / new buffer).
+
+Per case (source and destination: plain torch allocations, the engine's ``weights`` pool, a
+``MemoryManager`` on the GPU, VMM-mapped; and a buffer another process shares by CUDA IPC, as a
+trainer does) it prints the median host time of the enqueue alone per size, and the median time
+from the first enqueue to the end of the copy (``torch.cuda.synchronize``) per number of pieces,
+over ``--repeats`` copies.
 
     python benchmarks/copy_enqueue.py [--repeats 30] [--out copy.jsonl]
 """
@@ -32,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import MiB, Recorder
 from dormant.memory import WEIGHTS, MemoryManager
 
-BUCKET = 512 * MiB
-SIZES = (1 * MiB, 16 * MiB, 128 * MiB, 512 * MiB)
-CHUNKS = (1, 2, 4, 8)
+BUCKET = 512 * MiB  # what the chunked copies move (issue 13's bucket)
+SIZES = (1 * MiB, 16 * MiB, 128 * MiB, 512 * MiB, 2048 * MiB)  # enqueue times, by size
+CHUNKS = (1, 2, 4, 8, 16)
 
 
 def _sharer(conn: Connection) -> None:
-    buffer = torch.full((BUCKET,), 7, dtype=torch.uint8, device="cuda")
+    buffer = torch.full((max(SIZES),), 7, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     conn.send(reductions.reduce_tensor(buffer))
     conn.recv()  # keep it alive until the reader is done
@@ -80,8 +85,8 @@ def main() -> None:
     sharer.start()
     rebuild, rebuild_args = conn.recv()
     shared = rebuild(*rebuild_args)
-    plain = [torch.ones(BUCKET, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    pooled = memory.empty((BUCKET,), torch.uint8, WEIGHTS)
+    plain = [torch.ones(max(SIZES), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    pooled = memory.empty((max(SIZES),), torch.uint8, WEIGHTS)
     cases = {
         "torch -> torch": (plain[0], plain[1]),
         "torch -> pool": (pooled, plain[0]),
