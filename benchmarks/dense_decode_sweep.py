@@ -109,35 +109,51 @@ class DenseLayerChain(Chain):
         self.variants = variants()
 
     def run(self, variant: Variant) -> list[torch.Tensor]:
-        pdl = variant.kwargs("pdl")
         hidden, residual = self.hidden, self.residual
-        q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
         outputs = []
         for layer in range(self.num_layers):
-            in_norm, post_norm = self.norms[layer]
-            normed, residual = rms_norm(hidden, in_norm, EPS, residual, **pdl)
-            qkv = F.linear(normed, self.w_qkv[layer])
-            q_norm, k_norm = self.qk_norms[layer]
-            rotate_qk_(qkv, self.positions, self.rotary.cos_sin_cache, NUM_HEADS, NUM_KV_HEADS,
-                       HEAD_DIM, (q_norm, k_norm, EPS), **pdl)  # fmt: skip
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            kv_shape = (self.batch, NUM_KV_HEADS, HEAD_DIM)
-            scales = (self.unit_scale, self.unit_scale)
-            write_kv_cache(self.kv[layer], k.reshape(kv_shape), v.reshape(kv_shape),
-                           self.meta.slot_mapping, *scales, **pdl)  # fmt: skip
-            is_merge_kernel = variant.kwargs("merge_kernel").get("merge_kernel", False)
-            attention = paged_decode_attention(
-                q.reshape(self.batch, NUM_HEADS, HEAD_DIM), self.kv[layer], self.meta,
-                HEAD_DIM**-0.5, *scales,
-                tickets=None if is_merge_kernel else self.merge_tickets[layer],
-                **variant.kwargs("wanted_splits", "pdl"),
-            )  # fmt: skip
-            o = F.linear(attention.reshape(self.batch, q_size), self.w_o[layer])
-            normed, residual = rms_norm(o, post_norm, EPS, residual, **pdl)
-            hidden = F.linear(silu_and_mul(F.linear(normed, self.w_up[layer]), **pdl),
-                              self.w_down[layer])  # fmt: skip
+            attention, residual = self.attend(layer, hidden, residual, variant)
+            hidden, residual = self.feed_forward(layer, attention, residual, variant)
             outputs += [attention, hidden]
         return outputs
+
+    def attend(
+        self, layer: int, hidden: torch.Tensor, residual: torch.Tensor, variant: Variant
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer up to its attention's output: the input norm with its residual, QKV, the
+        q/k norms and rotary, the KV write and the decode attention; (attention, residual)."""
+        pdl = variant.kwargs("pdl")
+        q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+        normed, residual = rms_norm(hidden, self.norms[layer][0], EPS, residual, **pdl)
+        qkv = F.linear(normed, self.w_qkv[layer])
+        q_norm, k_norm = self.qk_norms[layer]
+        rotate_qk_(qkv, self.positions, self.rotary.cos_sin_cache, NUM_HEADS, NUM_KV_HEADS,
+                   HEAD_DIM, (q_norm, k_norm, EPS), **pdl)  # fmt: skip
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        kv_shape = (self.batch, NUM_KV_HEADS, HEAD_DIM)
+        scales = (self.unit_scale, self.unit_scale)
+        write_kv_cache(self.kv[layer], k.reshape(kv_shape), v.reshape(kv_shape),
+                       self.meta.slot_mapping, *scales, **pdl)  # fmt: skip
+        is_merge_kernel = variant.kwargs("merge_kernel").get("merge_kernel", False)
+        attention = paged_decode_attention(
+            q.reshape(self.batch, NUM_HEADS, HEAD_DIM), self.kv[layer], self.meta,
+            HEAD_DIM**-0.5, *scales,
+            tickets=None if is_merge_kernel else self.merge_tickets[layer],
+            **variant.kwargs("wanted_splits", "pdl"),
+        )  # fmt: skip
+        return attention, residual
+
+    def feed_forward(
+        self, layer: int, attention: torch.Tensor, residual: torch.Tensor, variant: Variant
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer: the O projection, the post-attention norm, gate/up, SiLU and
+        down; (hidden, residual)."""
+        pdl = variant.kwargs("pdl")
+        o = F.linear(attention.reshape(self.batch, NUM_HEADS * HEAD_DIM), self.w_o[layer])
+        normed, residual = rms_norm(o, self.norms[layer][1], EPS, residual, **pdl)
+        hidden = F.linear(silu_and_mul(F.linear(normed, self.w_up[layer]), **pdl),
+                          self.w_down[layer])  # fmt: skip
+        return hidden, residual
 
     def refill(self, seed: int) -> None:
         generator = torch.Generator(self.device).manual_seed(seed)

@@ -15,12 +15,15 @@ CUDA graph:
     halves        two chains of half the batch each, one after the other on one stream
     two streams   the same two chains on two streams forked from the capture stream and
                   joined at the end: each half's layers in order, the halves independent
+    offset by a   the two streams in lockstep, the second half one phase behind the first:
+    phase         one's attention part of a layer beside the other's feed-forward part (the
+                  schedule of a two-batch overlap step)
 
 The halves read the same weights, as a two-batch step would. Per batch size and way it prints the
 median milliseconds per layer, that over the whole batch's memory roofline (its weights once and
-all of its KV, at the measured copy bandwidth), and for "two streams" its time over the halves'
-(below 1: the streams overlapped). The two-stream replay's outputs must equal the halves' bit for
-bit (the same kernels on the same inputs).
+all of its KV, at the measured copy bandwidth), and its time over the halves' (below 1 for a
+two-stream way: the streams overlapped). The two-stream replays' outputs must equal the halves'
+bit for bit (the same kernels on the same inputs).
 
     python benchmarks/overlap_probe.py [--batch-sizes 512,256] [--context 768] [--out o.jsonl]
 """
@@ -74,6 +77,50 @@ def on_two_streams(first: DenseLayerChain, second: DenseLayerChain) -> Run:
     return run
 
 
+def offset_by_a_phase(first: DenseLayerChain, second: DenseLayerChain) -> Run:
+    """The two halves on two streams in lockstep, the second one phase behind: while the first
+    runs a layer's attention part (``attend``) the second runs the layer before's feed-forward
+    part, and the other way round. After each phase both streams wait for each other."""
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    chains = (first, second)
+    num_phases = 2 * first.num_layers
+
+    def phase(chain: DenseLayerChain, state: list[torch.Tensor], index: int) -> torch.Tensor:
+        layer, part = divmod(index, 2)
+        if part == 0:
+            state[0], state[1] = chain.attend(layer, state[0], state[1], chain.default)
+        else:
+            state[0], state[1] = chain.feed_forward(layer, state[0], state[1], chain.default)
+        return state[0]
+
+    def run() -> list[torch.Tensor]:
+        main = torch.cuda.current_stream()
+        states = [[chain.hidden, chain.residual] for chain in chains]
+        outputs: list[list[torch.Tensor]] = [[], []]
+        for stream in streams:
+            stream.wait_stream(main)
+        for tick in range(num_phases + 1):
+            for half, (stream, chain) in enumerate(zip(streams, chains, strict=True)):
+                index = tick - half
+                if 0 <= index < num_phases:
+                    with torch.cuda.stream(stream):
+                        outputs[half].append(phase(chain, states[half], index))
+            streams[0].wait_stream(streams[1])
+            streams[1].wait_stream(streams[0])
+        for stream in streams:
+            main.wait_stream(stream)
+        return outputs[0] + outputs[1]
+
+    return run
+
+
+WAYS: dict[str, Callable[[DenseLayerChain, DenseLayerChain], Run]] = {
+    "halves": in_series,
+    "two streams": on_two_streams,
+    "offset by a phase": offset_by_a_phase,
+}
+
+
 def timed(run: Run, num_layers: int) -> tuple[list[float], list[torch.Tensor]]:
     """Milliseconds per layer of the captured ``run``'s replays, and its outputs (after one
     more replay)."""
@@ -107,10 +154,15 @@ def main() -> None:
         del whole
         torch.cuda.empty_cache()
         first, second = halves_of(batch, args.context)
-        ways = {"one batch": times}
-        ways["halves"], expected = timed(in_series(first, second), first.num_layers)
-        ways["two streams"], outputs = timed(on_two_streams(first, second), first.num_layers)
-        is_equal = all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+        ways, outputs = {"one batch": times}, {}
+        for way, make in WAYS.items():
+            ways[way], outputs[way] = timed(make(first, second), first.num_layers)
+        expected = outputs["halves"]
+        equal = {
+            way: all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+            for way, got in outputs.items()
+            if way != "halves"
+        }
         halves_ms = statistics.median(ways["halves"])
         for way, values in ways.items():
             median = statistics.median(values)
@@ -118,7 +170,7 @@ def main() -> None:
                 case="overlap probe", batch=batch, way=way, per_layer_ms=median,
                 min_ms=min(values), max_ms=max(values), roofline_ms=roofline_ms,
                 x_roofline=median / roofline_ms, over_halves=median / halves_ms,
-                bit_exact=is_equal if way == "two streams" else None,
+                bit_exact=equal.get(way),
             ))  # fmt: skip
         del first, second, expected, outputs
         torch.cuda.empty_cache()
