@@ -44,7 +44,7 @@ from dormant.engine.output_processor import OutputProcessor
 from dormant.engine.outputs import RequestOutput
 from dormant.engine.refits import WeightRefits
 from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, make_request_input
-from dormant.engine.rpc_routes import route_rpc
+from dormant.engine.rpc_routes import RpcRoutes
 from dormant.engine.scheduler import Scheduler
 from dormant.engine.sequence import SequenceFactory
 from dormant.engine.sleep_control import SleepControl
@@ -111,6 +111,10 @@ class LLMEngine:
             refresh=lambda: self._refresh_sleep_state(),
             drain=lambda: self._steps.drain(),
         )
+        self._rpc = RpcRoutes(
+            self._commands, self.refits, self.sleep_control, self.sleep, self.wake_up,
+            self.reload_weights, self.update_weights, self.reset_prefix_cache,
+        )  # fmt: skip
         self._heap = FrozenHeap()
         self._heap.freeze()  # last: the start-up's objects are never traversed again
 
@@ -275,7 +279,7 @@ class LLMEngine:
         """Calls ``method`` on every rank; returns one result per rank, in rank order (vLLM's
         shape). Where each kind of method goes is ``rpc_routes.py``. ``timeout`` is accepted
         for vLLM's callers; commands are bounded by the executor's own timeout."""
-        return route_rpc(self, self._commands, method, tuple(args), kwargs or {})
+        return self._rpc.route(method, tuple(args), kwargs or {})
 
     # ── the prefix cache ──────────────────────────────────────────────────────────────────────
 

@@ -19,38 +19,47 @@ after it, whether it succeeded or failed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from dormant.core.commands import PUBLIC_RPC, Command
 from dormant.engine.calls_in_flight import DrainingExecutor
+from dormant.engine.refits import WeightRefits
+from dormant.engine.sleep_control import SleepControl
 
-if TYPE_CHECKING:
-    from dormant.engine.llm_engine import LLMEngine
 
+@dataclass(frozen=True)
+class RpcRoutes:
+    """One engine's routes: its executor that drains the calls in flight first (``commands``),
+    its refits and sleep state, and its own sleep, wake, refit and prefix-cache methods."""
 
-def route_rpc(
-    engine: LLMEngine,
-    commands: DrainingExecutor,
-    method: str | Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> list[Any]:
-    """Runs ``method`` as the table above says, commands through ``commands`` (the engine's
-    executor that drains the calls in flight first)."""
-    if callable(method) or method not in PUBLIC_RPC:
-        try:
-            return engine.refits.run_callers_code(method, args, kwargs)
-        finally:
-            engine.reset_prefix_cache()
-    command = PUBLIC_RPC[method]
-    if command is Command.SLEEP:
-        engine.sleep(*args, **kwargs)
-        return list(engine.sleep_control.ranks)
-    if command is Command.WAKE_UP:
-        engine.wake_up(*args, **kwargs)
-        return list(engine.sleep_control.ranks)
-    if command is Command.RELOAD_WEIGHTS:
-        return engine.reload_weights(*args, **kwargs)
-    if command is Command.UPDATE_WEIGHTS:
-        return engine.update_weights(*args, **kwargs)
-    return commands.run(command, *args, **kwargs)
+    commands: DrainingExecutor
+    refits: WeightRefits
+    sleep_control: SleepControl
+    sleep: Callable[..., Any]
+    wake_up: Callable[..., Any]
+    reload_weights: Callable[..., list[tuple[str, ...]]]
+    update_weights: Callable[..., list[tuple[str, ...]]]
+    reset_prefix_cache: Callable[[], bool]
+
+    def route(
+        self, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        """Runs ``method`` as the table above says."""
+        if callable(method) or method not in PUBLIC_RPC:
+            try:
+                return self.refits.run_callers_code(method, args, kwargs)
+            finally:
+                self.reset_prefix_cache()
+        command = PUBLIC_RPC[method]
+        if command is Command.SLEEP:
+            self.sleep(*args, **kwargs)
+            return list(self.sleep_control.ranks)
+        if command is Command.WAKE_UP:
+            self.wake_up(*args, **kwargs)
+            return list(self.sleep_control.ranks)
+        if command is Command.RELOAD_WEIGHTS:
+            return self.reload_weights(*args, **kwargs)
+        if command is Command.UPDATE_WEIGHTS:
+            return self.update_weights(*args, **kwargs)
+        return self.commands.run(command, *args, **kwargs)
