@@ -10,10 +10,10 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 P=$OUT/${RUN:-pending}
 timeout 90 python3 benchmarks/copy_enqueue.py --out $P-copy-enqueue.jsonl > $P-copy-enqueue.log 2>&1; echo "rc=$?" >> $P-copy-enqueue.log
+timeout 150 python3 benchmarks/overlap_probe.py --out $P-overlap.jsonl > $P-overlap.log 2>&1; echo "rc=$?" >> $P-overlap.log
 for mib in 0 128 32 0 128 32; do
   timeout 100 python3 benchmarks/refit.py --bucket-mib 512 --repeats 3 --max-run-mib $mib --out $P-refit.jsonl >> $P-refit-$mib.log 2>&1; echo "rc=$?" >> $P-refit-$mib.log
 done
-timeout 150 python3 benchmarks/overlap_probe.py --out $P-overlap.jsonl > $P-overlap.log 2>&1; echo "rc=$?" >> $P-overlap.log
 timeout 100 python3 benchmarks/ipc_stages.py --synced --refits 3 --modes new,reuse --max-run-mib 128 --out $P-ipc-stages.jsonl > $P-ipc-stages.log 2>&1; echo "rc=$?" >> $P-ipc-stages.log
 python3 - "$P-copy-enqueue.jsonl" "$P-ipc-stages.jsonl" <<'PY'
 import json, sys
