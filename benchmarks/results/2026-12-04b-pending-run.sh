@@ -5,10 +5,13 @@
 # copy_enqueue.py times the enqueue by size and end of either copy (torch, the weights pool, IPC),
 # and whether copies in pieces let the device start sooner; then refit.py with the plan's byte
 # runs in pieces of at most 128 / 32 MiB against one copy a run, alternating, and ipc_stages at 128.
+# First the IPC release GPU tests, with pieces of 4 KiB too (test_bucket_copies_in_pieces_arrive).
 # Issue 16: overlap_probe.py, whether two half-batches on two streams overlap the batch-512
 # step's GEMMs with its attention.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 P=$OUT/${RUN:-pending}
+timeout 120 python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider tests/gpu/test_ipc_release_gpu.py > $P-tests.log 2>&1; echo "rc=$?" >> $P-tests.log
+tail -3 $P-tests.log
 timeout 90 python3 benchmarks/copy_enqueue.py --out $P-copy-enqueue.jsonl > $P-copy-enqueue.log 2>&1; echo "rc=$?" >> $P-copy-enqueue.log
 timeout 150 python3 benchmarks/overlap_probe.py --out $P-overlap.jsonl > $P-overlap.log 2>&1; echo "rc=$?" >> $P-overlap.log
 for mib in 0 128 32 0 128 32; do
