@@ -13,8 +13,7 @@ arguments itself and keeps the storages it opened::
     size or device)               waits on the event, keeps this share's counter until the
                                   storage dies)
     held                          views the held storage (``as_strided`` of a base tensor kept
-                                  per dtype; the last view again for the same arguments),
-                                  releases this share's counter in the mapped file
+                                  per dtype), releases this share's counter in the mapped file
                                   (``ipc_counters.RefCounterFiles``), waits on this share's event
 
 Each share of a tensor (every bucket, even of the same buffer) has its own counter slot and its
@@ -54,28 +53,15 @@ def wait_on_ipc_event(device: int, event_handle: bytes) -> None:
 
 
 class _Held:
-    """An opened storage, its base tensors (one per dtype it was viewed as) and its last view
-    (a sender that reuses its buffer sends the same view of it every bucket)."""
+    """An opened storage and its base tensors (one per dtype it was viewed as)."""
 
-    __slots__ = ("bases", "device", "last_view", "nbytes", "storage")
+    __slots__ = ("bases", "device", "nbytes", "storage")
 
     def __init__(self, storage: torch.UntypedStorage, nbytes: int, device: int) -> None:
         self.storage, self.nbytes, self.device = storage, nbytes, device
         self.bases: dict[torch.dtype, Tensor] = {}
-        self.last_view: tuple[tuple[Any, ...], Tensor] | None = None
 
     def view(self, dtype: torch.dtype, size: Any, stride: Any, offset: int) -> Tensor:
-        """The storage viewed as ``dtype`` at (size, stride, offset): the last call's tensor
-        again for the same arguments, so it must only be read (``view_of`` makes a new one)."""
-        key = (dtype, size, stride, offset)
-        last = self.last_view
-        if last is not None and last[0] == key:
-            return last[1]
-        tensor = self.view_of(dtype, size, stride, offset)
-        self.last_view = (key, tensor)
-        return tensor
-
-    def view_of(self, dtype: torch.dtype, size: Any, stride: Any, offset: int) -> Tensor:
         base = self.bases.get(dtype)
         if base is None:
             storage = self.storage
@@ -116,7 +102,7 @@ class IpcHandles:
         key = (handle, storage_offset)
         held = self._current.get(key) or self._held.get(key)
         if held is not None and held.nbytes == nbytes and held.device == device:
-            tensor = _tensor_of(held, cls, dtype, size, stride, offset, requires_grad)
+            tensor = held.view(dtype, size, stride, offset)
             self.counters.release(counter, slot)  # this share's counter: the sender's block
             if sync:
                 self._wait_on_event(device, event)  # the sender's writes before this share
@@ -124,9 +110,13 @@ class IpcHandles:
         else:
             storage = self._open(device, handle, nbytes, storage_offset, counter, slot, event, sync)
             held = _Held(storage, nbytes, device)
-            tensor = _tensor_of(held, cls, dtype, size, stride, offset, requires_grad)
+            tensor = held.view(dtype, size, stride, offset)
             self.num_opened += 1
         self._current[key] = held
+        if cls is torch.nn.Parameter:
+            return torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
+        if requires_grad:
+            tensor.requires_grad_(True)
         return tensor
 
     def end_payload(self) -> None:
@@ -139,20 +129,6 @@ class IpcHandles:
         the counter it kept) and unmaps the counter files."""
         self._held, self._current = {}, {}
         self.counters.close()
-
-
-def _tensor_of(
-    held: _Held, cls: Any, dtype: torch.dtype, size: Any, stride: Any, offset: int,
-    requires_grad: Any,
-) -> Tensor:  # fmt: skip
-    """The rebuilt tensor: a Parameter wraps the view; a tensor that requires grad gets a view
-    of its own (``requires_grad_`` changes the tensor it is called on)."""
-    if cls is torch.nn.Parameter:
-        tensor = held.view(dtype, size, stride, offset)
-        return torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
-    if requires_grad:
-        return held.view_of(dtype, size, stride, offset).requires_grad_(True)
-    return held.view(dtype, size, stride, offset)
 
 
 def _check_args(

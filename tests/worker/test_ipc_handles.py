@@ -154,20 +154,3 @@ def test_an_empty_storage_or_another_torchs_arguments_go_to_torch(driver: FakeDr
     handles.rebuild_cuda_tensor(*args(driver, nbytes=0))
     handles.rebuild_cuda_tensor(*args(driver)[:14])
     assert calls == [15, 15, 14] and handles.num_opened == 0
-
-
-def test_the_same_view_of_a_held_storage_is_the_same_tensor_its_counter_still_released(
-    driver: FakeDriver,
-) -> None:
-    """A sender that reuses its buffer sends the same view every bucket: the tensor is kept,
-    not viewed again; each share still releases its own counter and waits on its own event."""
-    handles = driver.handles()
-    first = handles.rebuild_cuda_tensor(*args(driver))
-    handles.end_payload()
-    again = handles.rebuild_cuda_tensor(*args(driver))
-    assert again is first and handles.num_reused == 1
-    assert driver.slots[1] == 0 and driver.waits == [(0, b"e2")]
-    elsewhere = handles.rebuild_cuda_tensor(*args(driver, offset=16))
-    assert elsewhere is not first and torch.equal(elsewhere, expected(driver, b"a", 16))
-    grad = handles.rebuild_cuda_tensor(*args(driver, offset=16, requires_grad=True))
-    assert grad.requires_grad and grad is not elsewhere and not elsewhere.requires_grad
