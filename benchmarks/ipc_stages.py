@@ -92,6 +92,8 @@ def main() -> None:
         "--max-run-mib", type=int, default=0, help="copies of at most this size (0: one a run)"
     )
     args = parser.parse_args()
+    if args.max_run_mib < 0:
+        parser.error("--max-run-mib must be 0 (one copy a run) or more")
     if args.max_run_mib:  # before any plan is built
         plan_builder.MAX_RUN_BYTES = args.max_run_mib * MiB
     command = "run synced" if args.synced else "run"

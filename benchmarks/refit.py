@@ -255,6 +255,8 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    if args.max_run_mib < 0:
+        parser.error("--max-run-mib must be 0 (one copy a run) or more")
     if args.max_run_mib:  # before any plan is built
         plan_builder.MAX_RUN_BYTES = args.max_run_mib * MiB
     rec = Recorder(args.out)

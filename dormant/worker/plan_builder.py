@@ -87,9 +87,13 @@ class _Span:
 
 def _in_pieces(steps: tuple[Step, ...], max_bytes: int | None) -> tuple[Step, ...]:
     """Each byte run longer than ``max_bytes`` as consecutive runs of at most that many bytes
-    (None: as they are); casting runs, strided copies and loaders stay whole."""
+    (None: as they are); casting runs, strided copies and loaders stay whole. A size below one
+    byte raises ``ValueError`` (at build time: nothing is written), where it would give no
+    pieces and so write nothing."""
     if max_bytes is None:
         return steps
+    if max_bytes < 1:
+        raise ValueError(f"MAX_RUN_BYTES must be at least 1 (or None), got {max_bytes}")
     pieces: list[Step] = []
     for step in steps:
         if not isinstance(step, Run) or step.dst.dtype != torch.uint8:

@@ -130,6 +130,20 @@ def test_a_long_byte_run_is_cut_into_pieces_and_a_cast_stays_whole(
     assert plan_of(CopyPlans(), cast_model, cast).num_copies == 1
 
 
+@pytest.mark.parametrize("size", [0, -4096])
+def test_a_piece_size_below_one_byte_is_refused_before_any_write(
+    monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """Cut into pieces of no bytes, a run would copy nothing: the plan is refused instead."""
+    monkeypatch.setattr(plan_builder, "MAX_RUN_BYTES", size)
+    model, plans = tiny(TINY_LLAMA), CopyPlans()
+    before = state(model)
+    with pytest.raises(ValueError, match="MAX_RUN_BYTES must be at least 1"):
+        refit(plans, model, new_weights(model, 1))
+    assert_state_equal(state(model), before)
+    assert model.weight_observer.stale == set()
+
+
 def test_a_trainers_order_merges_what_is_adjacent_in_both() -> None:
     model, plans = tiny(TINY_LLAMA), CopyPlans()
     named = hf_order(new_weights(model, 2))
