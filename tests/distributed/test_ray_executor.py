@@ -16,11 +16,13 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 
 from dormant import LLM, AsyncLLM
 from dormant.engine import EngineDeadError, UnsupportedOptionError
@@ -61,17 +63,24 @@ def gone(pids: list[int], within_s: float = 30.0) -> bool:
     return all(is_gone(pid) for pid in pids)
 
 
-def _trainer(port: int, world_size: int, seed: int) -> None:
-    """Rank 0 of a weight-update group with every engine rank: broadcasts hf_state_dict(seed)."""
+def _trainer(port: int, world_size: int, seed: int, conn: Connection) -> None:
+    """Rank 0 of a weight-update group with every engine rank: broadcasts hf_state_dict(seed),
+    then stays in the group until the engine left it. (Exiting at once, with the engine's gloo
+    peers still connected, sometimes ended in gloo's "terminate called without an active
+    exception": SIGABRT.)"""
     group = create_update_group("127.0.0.1", port, 0, world_size, "refit", "gloo", timeout_s=60)
     broadcast_weights(group, list(hf_state_dict(seed).items()), timeout_s=60)
+    conn.recv()
+    dist.destroy_process_group(group)
 
 
 def broadcast_refit(llm: LLM, seed: int) -> None:
     """SGLang's weight-update group, as slime and OpenRLHF drive it: the trainer is rank 0 and
     engine TP rank t joins as 1 + t; the trainer broadcasts every weight."""
     port, world_size = free_port(), 1 + llm.llm_engine.executor.world_size
-    trainer = mp.get_context("spawn").Process(target=_trainer, args=(port, world_size, seed))
+    context = mp.get_context("spawn")
+    conn, child = context.Pipe()
+    trainer = context.Process(target=_trainer, args=(port, world_size, seed, child))
     trainer.start()
     try:
         llm.init_weights_update_group("127.0.0.1", port, 1, world_size, "refit", backend="gloo")
@@ -80,6 +89,7 @@ def broadcast_refit(llm: LLM, seed: int) -> None:
         llm.update_weights_from_distributed(names, dtypes, shapes, "refit")
         llm.destroy_weights_update_group("refit")
     finally:
+        conn.send("done")
         trainer.join(timeout=60)
         if trainer.is_alive():
             trainer.kill()
