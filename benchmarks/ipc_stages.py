@@ -17,7 +17,7 @@ Also per bucket: "copy on device", the plan's copies timed by CUDA events around
 bucket's packing before it sends it (``refit.py``'s engine-side mode), so no stage waits on it.
 
     python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--modes new,reuse,pipelined]
-        [--profile] [--max-run-mib N] [--out stages.jsonl]
+        [--profile] [--out stages.jsonl]
 
 ``--profile``: cProfile's top functions (by their own time) of each mode's whole calls, printed.
 """
@@ -43,7 +43,6 @@ from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
-from dormant.worker import plan_builder
 from dormant.worker.copy_plan import wait_for_copies
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET
@@ -88,14 +87,7 @@ def main() -> None:
     parser.add_argument("--modes", default="new,reuse,pipelined", help="the senders' modes")
     parser.add_argument("--profile", action="store_true", help="cProfile the whole calls")
     parser.add_argument("--out", default=None)
-    parser.add_argument(
-        "--max-run-mib", type=int, default=0, help="copies of at most this size (0: one a run)"
-    )
     args = parser.parse_args()
-    if args.max_run_mib < 0:
-        parser.error("--max-run-mib must be 0 (one copy a run) or more")
-    if args.max_run_mib:  # before any plan is built
-        plan_builder.MAX_RUN_BYTES = args.max_run_mib * MiB
     command = "run synced" if args.synced else "run"
     device = torch.device("cuda")
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
@@ -174,14 +166,13 @@ def main() -> None:
             ordered = sorted(values)
             recorder.emit(
                 case="ipc receiver stage", sender=mode, stage=stage, buckets=len(values),
-                max_run_bytes=plan_builder.MAX_RUN_BYTES,
+                bucket_mib=args.bucket_mib,
                 median_ms=statistics.median(values) * 1e3, mean_ms=statistics.mean(values) * 1e3,
                 p90_ms=ordered[int(0.9 * (len(ordered) - 1))] * 1e3, max_ms=ordered[-1] * 1e3,
             )  # fmt: skip
         plans = receiver.plans.of(model)
         recorder.emit(
             case="ipc receiver totals", sender=mode, refits=args.refits,
-            max_run_bytes=plan_builder.MAX_RUN_BYTES,
             copies_per_bucket=statistics.mean(p.num_copies for p in plans),
             handles_opened=receiver.handles.num_opened, handles_reused=receiver.handles.num_reused,
             counter_files_mapped=receiver.handles.counters.num_mapped,

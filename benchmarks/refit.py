@@ -27,7 +27,6 @@ parameters are back to back in module order). Not measured here: the time until 
 generates (``benchmarks/refit_to_generate.py``).
 
 Usage: python benchmarks/refit.py [--out results.jsonl] [--bucket-mib 512] [--repeats 5]
-           [--max-run-mib N]  (the plans' byte copies in pieces of at most N MiB)
        python benchmarks/refit.py --tiny   (a tiny model on the CPU: checks the script runs)
 """
 
@@ -55,7 +54,6 @@ from benchmarks.common import MiB, Recorder, table
 from benchmarks.decode import QWEN3_8B_LIKE
 from dormant.memory import WEIGHTS, MemoryManager
 from dormant.models import CausalLM, ModelConfig, build_model
-from dormant.worker import plan_builder
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import (
     FLATTENED_BUCKET,
@@ -248,17 +246,10 @@ def build(config: ModelConfig, device: torch.device) -> CausalLM:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument(
-        "--max-run-mib", type=int, default=0, help="copies of at most this size (0: one a run)"
-    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    if args.max_run_mib < 0:
-        parser.error("--max-run-mib must be 0 (one copy a run) or more")
-    if args.max_run_mib:  # before any plan is built
-        plan_builder.MAX_RUN_BYTES = args.max_run_mib * MiB
     rec = Recorder(args.out)
     device = torch.device("cpu" if args.tiny else "cuda")
     config = ModelConfig.from_dict(TINY if args.tiny else QWEN3_8B_LIKE)
@@ -270,7 +261,6 @@ def main() -> None:
         case="setup",
         device=str(device),
         torch=torch.__version__,
-        max_run_bytes=plan_builder.MAX_RUN_BYTES,
         weight_bytes=weight_bytes,
         num_tensors=len(shapes),
         bucket_bytes=args.bucket_mib * MiB,

@@ -2,8 +2,10 @@
 loader, merge the copies that are adjacent in both the bucket and the parameters' storage.
 
 Merging keeps the bucket's order: consecutive runs merge only in bucket order, so overlapping
-writes (an alias beside its names) keep ``load_weights``'s order. A merged byte run longer than
-``MAX_RUN_BYTES`` is then cut into consecutive pieces (``_in_pieces``).
+writes (an alias beside its names) keep ``load_weights``'s order. A merged run is one copy,
+however long: cutting it into pieces, so that the device could start on the first while the host
+enqueues the rest, did not finish sooner on an H100 (``benchmarks/copy_enqueue.py``: enqueueing a
+2 GiB copy takes ~30 us of host time, and 16 pieces of 512 MiB end 11 % later than one).
 """
 
 from __future__ import annotations
@@ -18,11 +20,6 @@ from dormant.models import CausalLM
 from dormant.models.weights import is_ignored
 from dormant.worker.copy_plan import BucketItem, CopyPlan, LoaderCall, Run, Step, StridedCopy
 from dormant.worker.loader_trace import traced_copies
-
-# A byte run longer than this is issued as several copies (None: one copy per run), so that the
-# device can start on the first while the host enqueues the rest. Module-level so that the
-# benchmarks compare sizes in one process; set it before the plans are built.
-MAX_RUN_BYTES: int | None = None
 
 
 def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
@@ -50,7 +47,7 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
     offsets = tuple(int(t.storage_offset()) for t in tensors)
     num_bytes = max((item.start + item.nbytes for item in items), default=0)
     devices = frozenset(t.device for t in tensors)
-    steps = _in_pieces(_merged(spans), MAX_RUN_BYTES)
+    steps = _merged(spans)
     return CopyPlan(steps, frozenset(names), num_bytes, table, tensors, addresses, offsets, devices)
 
 
@@ -83,27 +80,6 @@ class _Span:
         if self.src_dtype != self.dst_dtype:
             dst = dst.view(self.dst_dtype)
         return Run(self.src_start, self.numel * self.src_dtype.itemsize, self.src_dtype, dst)
-
-
-def _in_pieces(steps: tuple[Step, ...], max_bytes: int | None) -> tuple[Step, ...]:
-    """Each byte run longer than ``max_bytes`` as consecutive runs of at most that many bytes
-    (None: as they are); casting runs, strided copies and loaders stay whole. A size below one
-    byte raises ``ValueError`` (at build time: nothing is written), where it would give no
-    pieces and so write nothing."""
-    if max_bytes is None:
-        return steps
-    if max_bytes < 1:
-        raise ValueError(f"MAX_RUN_BYTES must be at least 1 (or None), got {max_bytes}")
-    pieces: list[Step] = []
-    for step in steps:
-        if not isinstance(step, Run) or step.dst.dtype != torch.uint8:
-            pieces.append(step)
-            continue
-        for offset in range(0, step.src_nbytes, max_bytes):
-            nbytes = min(max_bytes, step.src_nbytes - offset)
-            dst = step.dst[offset : offset + nbytes]
-            pieces.append(Run(step.src_start + offset, nbytes, step.src_dtype, dst))
-    return tuple(pieces)
 
 
 def _step_of(

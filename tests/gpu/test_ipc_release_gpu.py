@@ -16,7 +16,6 @@ import torch
 
 from benchmarks.refit import TINY, build, checksum, ipc_case, sender_main
 from dormant.models import ModelConfig
-from dormant.worker import plan_builder
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET, iter_buckets
 
@@ -62,11 +61,3 @@ def test_every_share_is_released_and_the_weights_arrive(mode: str) -> None:
         sender.join(timeout=60)
         model.memory.close()  # frees the device's manager slot for the next test
     torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("mode", ["new", "reuse"])
-def test_bucket_copies_in_pieces_arrive(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same refits with every byte run cut into 4 KiB pieces (``plan_builder.MAX_RUN_BYTES``,
-    off by default): the weights and the counters as with one copy a run."""
-    monkeypatch.setattr(plan_builder, "MAX_RUN_BYTES", 4096)
-    test_every_share_is_released_and_the_weights_arrive(mode)

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, WeightError, build_model
-from dormant.worker import plan_builder
 from dormant.worker.copy_plan import LoaderCall, Run, StridedCopy
 from dormant.worker.copy_plans import CopyPlans
 from dormant.worker.ipc_weights import bucket_items, make_flattened_bucket
@@ -35,7 +34,6 @@ TINY_MOE = {
     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
 }  # fmt: skip
 Named = list[tuple[str, Tensor]]
-PIECE = 40_000  # bytes: the tiny model's one run (854,528 bytes of fp32) in 22 pieces
 
 
 def tiny(config: dict, dtype: str = "float32", pooled: bool = True) -> CausalLM:
@@ -110,38 +108,6 @@ def test_a_bucket_in_the_models_order_is_one_copy() -> None:
     assert plan.num_copies == 1 and isinstance(plan.steps[0], Run)
     assert refit(plans, model, named) == set(model.expected_weight_shapes())
     assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
-
-
-def test_a_long_byte_run_is_cut_into_pieces_and_a_cast_stays_whole(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(plan_builder, "MAX_RUN_BYTES", PIECE)
-    model, plans = tiny(TINY_LLAMA), CopyPlans()
-    named = new_weights(model, 1)
-    plan = plan_of(plans, model, named)
-    total = sum(t.numel() * t.element_size() for _, t in named)
-    assert plan.num_copies == -(-total // PIECE) and all(isinstance(s, Run) for s in plan.steps)
-    assert [s.src_start for s in plan.steps] == list(range(0, total, PIECE))
-    assert all(s.src_nbytes == s.dst.numel() <= PIECE for s in plan.steps)
-    refit(plans, model, named)
-    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
-    cast_model = tiny(TINY_LLAMA, "bfloat16")
-    cast = new_weights(cast_model, 2)  # fp32 into bf16: one casting run, not cut
-    assert plan_of(CopyPlans(), cast_model, cast).num_copies == 1
-
-
-@pytest.mark.parametrize("size", [0, -4096])
-def test_a_piece_size_below_one_byte_is_refused_before_any_write(
-    monkeypatch: pytest.MonkeyPatch, size: int
-) -> None:
-    """Cut into pieces of no bytes, a run would copy nothing: the plan is refused instead."""
-    monkeypatch.setattr(plan_builder, "MAX_RUN_BYTES", size)
-    model, plans = tiny(TINY_LLAMA), CopyPlans()
-    before = state(model)
-    with pytest.raises(ValueError, match="MAX_RUN_BYTES must be at least 1"):
-        refit(plans, model, new_weights(model, 1))
-    assert_state_equal(state(model), before)
-    assert model.weight_observer.stale == set()
 
 
 def test_a_trainers_order_merges_what_is_adjacent_in_both() -> None:
