@@ -64,11 +64,14 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # The seventeenth session's issue-13 probes, not yet run: the host cost of one bucket copy's
-  # enqueue by size and memory (benchmarks/copy_enqueue.py), and refit.py with the plans' byte
-  # runs in pieces of 128 / 32 MiB against one copy a run (plan_builder.MAX_RUN_BYTES); and
-  # issue 16's benchmarks/overlap_probe.py (two half-batches on two streams at batch 512).
-  RUN=pending bash benchmarks/results/2026-12-04b-pending-run.sh 2>&1 | tee "$OUT/pending.log"
+  # The eighteenth session's run 2: issue 13's IPC GPU tests, and the receiver's time beyond the
+  # copy at 512 MiB to 2 GiB buckets; issue 16's overlap probe on the card the call got.
+  RUN=pending bash benchmarks/results/2026-12-05-run2.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
+fi
+# The device tool brings back at most 8 files: more are packed into one archive.
+if (($(find "$OUT" -type f | wc -l) > 8)); then
+  tar -C "$OUT" -czf /tmp/gpu-suite-out.tgz . && find "$OUT" -mindepth 1 -delete &&
+    mv /tmp/gpu-suite-out.tgz "$OUT/gpu-suite-out.tgz"
 fi
 exit $status
