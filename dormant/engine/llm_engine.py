@@ -18,7 +18,6 @@ vLLM's callers; correctness never depends on it.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -43,10 +42,10 @@ from dormant.engine.model_config_view import ModelConfigView
 from dormant.engine.output_processor import OutputProcessor
 from dormant.engine.outputs import RequestOutput
 from dormant.engine.refits import WeightRefits
-from dormant.engine.request_input import Prompt, RequestInput, RequestLimits, make_request_input
+from dormant.engine.request_input import Prompt, RequestInput, RequestLimits
+from dormant.engine.request_intake import RequestIntake
 from dormant.engine.rpc_routes import RpcRoutes
 from dormant.engine.scheduler import Scheduler
-from dormant.engine.sequence import SequenceFactory
 from dormant.engine.sleep_control import SleepControl
 from dormant.engine.spec_stats import SpecDecodeStats
 from dormant.engine.step_pipeline import StepPipeline
@@ -84,13 +83,18 @@ class LLMEngine:
         self._kv_epoch = CachedKVEpoch(
             self.sleep_control, lambda: self.scheduler.block_manager.reset_prefix_cache()
         )
-        self._sequences = SequenceFactory(random.Random(config.seed))
         self.outputs = OutputProcessor(
             self.tokenizer,
             lambda: self.refits.weight_version,
             lambda: tuple(rank.num_weight_writes for rank in self.sleep_control.ranks),
         )
-        self._limits = RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs)
+        self._requests = RequestIntake(
+            self.tokenizer,
+            RequestLimits(model.vocab_size, config.max_model_len, config.max_logprobs),
+            config.seed,
+            lambda: self.scheduler,
+            self.outputs,
+        )
         self.model_config = ModelConfigView.of(config)
         self._steps = StepPipeline(
             self.executor,
@@ -128,26 +132,16 @@ class LLMEngine:
 
     def make_request_input(self, prompt: Prompt, params: SamplingParams) -> RequestInput:
         """Tokenizes and validates a request without queuing it (see ``make_request_input``)."""
-        return make_request_input(prompt, params, self.tokenizer, self._limits)
+        return self._requests.make(prompt, params)
 
     def add_request_input(self, request: RequestInput) -> int:
-        """Queues a validated request: ``params.n`` sequences. With prefix caching the first
-        computes the prompt's KV and the others fork from it (``engine/forks.py``: they
-        compute none of the prompt), or, where they cannot, hit its full blocks."""
-        params, token_ids = request.params, request.prompt_token_ids
-        seqs = [self._sequences.create(token_ids, params, index) for index in range(params.n)]
-        first = seqs[0]
-        for seq in seqs:  # the first add raises (queuing nothing) if the prompt cannot fit
-            self.scheduler.add(seq, fork_of=None if seq is first else first)
-        self.outputs.add(first.seq_id, request.prompt, token_ids, params, seqs)
-        return first.seq_id
+        """Queues a validated request: ``params.n`` sequences (``RequestIntake.add``)."""
+        return self._requests.add(request)
 
     def abort_request(self, request_ids: Iterable[int] | None = None) -> list[RequestOutput]:
         """Finishes the given requests (all when None) with finish_reason "abort"; returns
         their outputs. Unknown or finished ids are ignored."""
-        ids = None if request_ids is None else list(request_ids)
-        aborted = self.scheduler.abort(self.outputs.seq_ids(ids))
-        return self.outputs.pop_finished(aborted)
+        return self._requests.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``step`` has work: requests to run, a call in flight to read back, or
