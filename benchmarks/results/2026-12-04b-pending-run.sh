@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Ran as run 1 of 2026-12-05. Its --max-run-mib flag was removed afterwards, with the pieces it set:
+# this file records what ran and no longer runs as it stands.)
 # Pending (seventeenth session; its run 2 lost the machine before it started, and no other was
 # lent): issue 13. Run 1 found the driver's cuMemcpyAsync no cheaper to
 # enqueue than torch's copy_ (about 0.09 ms for the 512 MiB bucket), so the cost is the driver's:
