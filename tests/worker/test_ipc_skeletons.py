@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from dormant.worker import ipc_skeletons
-from dormant.worker.ipc_payload import FlattenedTensorMetadata, deserialize_payload
+from dormant.worker.ipc_payload import (
+    FlattenedTensorMetadata,
+    deserialize_payload,
+    unpickle_entry,
+)
 from dormant.worker.ipc_skeletons import PayloadSkeletons
 from dormant.worker.ipc_weights import bucket_items
 from dormant.worker.transfer_errors import WeightTransferError
@@ -154,3 +158,19 @@ def test_a_kept_layout_is_checked_against_each_buffers_length(driver) -> None:
     with pytest.raises(WeightTransferError, match="does not hold"):
         skeletons.read(short, handles.rebuild_cuda_tensor)
     assert skeletons.num_hits == 0 and skeletons.num_misses == 1  # found, but it did not fit
+
+
+def test_the_framed_head_unpickles_to_what_the_unframed_one_does(driver) -> None:
+    """A hit unpickles the head in one FRAME (read from the file at once); the tensor it
+    rebuilds and the memo it leaves, which the kept layout is matched against, are the same."""
+    entry = send(driver, b"buf", bucket(1), b"e")
+    body, _, end = ipc_skeletons._split(entry)  # type: ignore[misc]
+    plain = entry[:2] + entry[body:end] + b"."
+    framed = ipc_skeletons._framed(entry[:2], entry[body:end] + b".")
+    assert framed[2] == 0x95 and int.from_bytes(framed[3:11], "little") == len(plain) - 2
+    (a, memo_a), (b, memo_b) = (
+        unpickle_entry(raw, driver.handles().rebuild_cuda_tensor) for raw in (plain, framed)
+    )
+    assert torch.equal(a, b) and a.data_ptr() == b.data_ptr()
+    assert list(memo_a) == list(memo_b)
+    assert all(type(memo_a[k]) is type(memo_b[k]) for k in memo_a)
