@@ -72,8 +72,10 @@ class BucketLayout(tuple[BucketItem, ...]):
 
 def source_view(flat_bytes: Tensor, start: int, nbytes: int, dtype: torch.dtype) -> Tensor:
     """Bytes ``[start, start + nbytes)`` of the uint8 buffer viewed as ``dtype`` (1-D); a slice
-    that is not aligned to its dtype (SGLang packs with no padding) is copied out first."""
-    part = flat_bytes[start : start + nbytes]
+    that is not aligned to its dtype (SGLang packs with no padding) is copied out first. The whole
+    buffer is not sliced (a bucket in the model's order is one run of all of it)."""
+    whole = start == 0 and nbytes == flat_bytes.numel()
+    part = flat_bytes if whole else flat_bytes[start : start + nbytes]
     if dtype == torch.uint8:
         return part
     if part.data_ptr() % dtype.itemsize:
@@ -131,6 +133,9 @@ class CopyPlan:
     addresses: tuple[int, ...]  # each target's data address
     offsets: tuple[int, ...]  # each target's offset in its storage (elements)
     devices: frozenset[torch.device]  # the targets'
+    # Only a Run writes through a tensor of its own over the storage (``set_``), which autograd
+    # does not track; a strided copy or a loader writes a view of a parameter: under no_grad.
+    is_untracked: bool = False
 
     @property
     def num_copies(self) -> int:
@@ -163,9 +168,13 @@ class CopyPlan:
         if observer is not None:
             observer.before_write()  # a refusal writes nothing and marks nothing stale
         try:
-            with torch.no_grad():
+            if self.is_untracked:
                 for step in self.steps:
                     step.run(flat_bytes)
+            else:
+                with torch.no_grad():
+                    for step in self.steps:
+                        step.run(flat_bytes)
             wait_for_copies({flat_bytes.device, *self.devices})
         except BaseException as error:
             if observer is not None:

@@ -48,7 +48,10 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
     num_bytes = max((item.start + item.nbytes for item in items), default=0)
     devices = frozenset(t.device for t in tensors)
     steps = _merged(spans)
-    return CopyPlan(steps, frozenset(names), num_bytes, table, tensors, addresses, offsets, devices)
+    untracked = all(isinstance(step, Run) for step in steps)
+    return CopyPlan(
+        steps, frozenset(names), num_bytes, table, tensors, addresses, offsets, devices, untracked
+    )
 
 
 # ── merging ────────────────────────────────────────────────────────────────────

@@ -106,6 +106,9 @@ def test_a_bucket_in_the_models_order_is_one_copy() -> None:
     named = new_weights(model, 1)
     plan = plan_of(plans, model, named)
     assert plan.num_copies == 1 and isinstance(plan.steps[0], Run)
+    assert plan.is_untracked  # it runs outside no_grad, even into parameters requiring grad
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
     assert refit(plans, model, named) == set(model.expected_weight_shapes())
     assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
 
@@ -157,6 +160,7 @@ def test_strided_copies_of_fused_experts() -> None:
     named = [(n, torch.randn(table[n].full_shape, generator=generator)) for n in fused]
     plan = plan_of(plans, model, named)
     assert [type(s) for s in plan.steps] == [StridedCopy] * 2 * len(fused)
+    assert not plan.is_untracked  # a view of a parameter: written under no_grad
     before = state(model)
     assert refit(plans, model, named) == {n for f in fused for n in table[f].covers}
     reference = tiny(TINY_MOE, pooled=False)
@@ -177,7 +181,7 @@ def test_a_loader_that_does_more_than_copy_runs_itself() -> None:
     table[name] = dataclasses.replace(table[name], loader=scaled_loader)
     named = new_weights(model, 7)
     plan = plan_of(plans, model, named)
-    assert sum(isinstance(s, LoaderCall) for s in plan.steps) == 1
+    assert sum(isinstance(s, LoaderCall) for s in plan.steps) == 1 and not plan.is_untracked
     refit(plans, model, named)
     assert torch.equal(model.model.norm.weight, 2.0 * dict(named)[name])
 
