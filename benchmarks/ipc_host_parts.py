@@ -70,7 +70,7 @@ class StandInDriver:
 def engine_receiving_from(driver: StandInDriver, config: ModelConfig) -> tuple[LLM, IpcReceiver]:
     """A CPU engine of ``config`` (one rank, in-process, as a one-GPU engine runs) whose rank
     receives through ``driver``, and that rank's receiver."""
-    llm = LLM(config, max_model_len=256, max_num_seqs=4, enforce_eager=True,
+    llm = LLM(config, max_model_len=256, max_num_seqs=4, enforce_eager=True, device="cpu",
               skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20)  # fmt: skip
     executor = llm.llm_engine.executor
     assert isinstance(executor, UniprocExecutor)

@@ -37,3 +37,18 @@ def test_the_ipc_host_benchmark_runs(monkeypatch: pytest.MonkeyPatch, capsys) ->
     assert llm["handles_opened"] == 3 and llm["handles_reused"] == 3 * 30 - 3
     assert all(stages[s]["buckets"] == 2 * 30 for s in torch_path)
     assert setup["skeleton_misses"] == 30 and setup["skeleton_hits"] == 2 * 30
+
+
+def test_its_engine_is_built_on_the_cpu_where_a_gpu_is_visible() -> None:
+    """Regression: on the H200 (2026-12-06, run 1) the engine's ``device="auto"`` took the GPU,
+    and checking its weights against the CPU model raised (cuda:0 against cpu)."""
+    from benchmarks.ipc_host_parts import StandInDriver, engine_receiving_from
+    from dormant.models import ModelConfig
+
+    driver = StandInDriver(1 << 20)
+    llm, _ = engine_receiving_from(driver, ModelConfig.from_dict(ipc_host.SMALL))
+    try:
+        assert llm.llm_engine.config.device == "cpu"
+    finally:
+        llm.shutdown()
+        driver.close()
