@@ -17,7 +17,7 @@ Also per bucket: "copy on device", the plan's copies timed by CUDA events around
 bucket's packing before it sends it (``refit.py``'s engine-side mode), so no stage waits on it.
 
     python benchmarks/ipc_stages.py [--bucket-mib 512] [--synced] [--modes new,reuse,pipelined]
-        [--profile] [--out stages.jsonl]
+        [--profile] [--read-parts] [--out stages.jsonl]
 
 ``--profile``: cProfile's top functions (by their own time) of each mode's whole calls, printed.
 """
@@ -43,7 +43,9 @@ from benchmarks.common import MiB, Recorder
 from benchmarks.decode import QWEN3_8B_LIKE
 from benchmarks.refit import build, sender_main
 from dormant.models import ModelConfig
+from dormant.worker import ipc_skeletons
 from dormant.worker.copy_plan import wait_for_copies
+from dormant.worker.ipc_handles import IpcHandles
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.ipc_weights import FLATTENED_BUCKET
 
@@ -53,6 +55,14 @@ STAGES = ("read", "plan", "copy", "sync", "end payload")
 # (releasing a held handle's share counter) and "rebuild: event" (waiting on its IPC event).
 PARTS = {"_open": "rebuild: open", "_wait_on_event": "rebuild: event"}
 COUNTER_PART = "rebuild: counter"
+# With --read-parts, also the read's own parts (each wrapped, so "read" grows by the wrappers):
+# "read: decode" (base64), "read: split" (finding the argument tuple), "read: unpickle" (the
+# head, its rebuild included), "read: rebuild" (``IpcHandles.rebuild_cuda_tensor``), "read:
+# match" (the memo against the kept skeleton) and "read: layout" (the buffer's bytes and layout).
+READ_PARTS = {
+    "decode_entry": "read: decode", "_split": "read: split", "unpickle_entry": "read: unpickle",
+}  # fmt: skip
+SKELETON_PARTS = {"matches": "read: match", "items": "read: layout"}
 # Also timed: "sender", from the acknowledgement to the next bucket's arrival (the trainer
 # packing and serializing), and "release", closing the last handle at the end of a refit.
 
@@ -79,6 +89,22 @@ def time_parts(receiver: IpcReceiver) -> dict[str, list[float]]:
     return sinks
 
 
+def time_read_parts() -> dict[str, list[float]]:
+    """Wraps the read's functions in every receiver of this process; returns their sinks."""
+    sinks: dict[str, list[float]] = {}
+    for attribute, part in READ_PARTS.items():
+        sinks[part] = []
+        setattr(ipc_skeletons, attribute, timed(getattr(ipc_skeletons, attribute), sinks[part]))
+    for attribute, part in SKELETON_PARTS.items():
+        sinks[part] = []
+        skeleton = ipc_skeletons._Skeleton
+        setattr(skeleton, attribute, timed(getattr(skeleton, attribute), sinks[part]))
+    sinks["read: rebuild"] = []
+    rebuild = IpcHandles.rebuild_cuda_tensor
+    IpcHandles.rebuild_cuda_tensor = timed(rebuild, sinks["read: rebuild"])  # type: ignore[method-assign]
+    return sinks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bucket-mib", type=int, default=512)
@@ -86,6 +112,7 @@ def main() -> None:
     parser.add_argument("--synced", action="store_true", help="the sender syncs before sending")
     parser.add_argument("--modes", default="new,reuse,pipelined", help="the senders' modes")
     parser.add_argument("--profile", action="store_true", help="cProfile the whole calls")
+    parser.add_argument("--read-parts", action="store_true", help="time the read's parts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     command = "run synced" if args.synced else "run"
@@ -93,6 +120,7 @@ def main() -> None:
     model = build(ModelConfig.from_dict(QWEN3_8B_LIKE), device)
     shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
     recorder = Recorder(args.out)
+    read_parts = time_read_parts() if args.read_parts else {}
     for mode in args.modes.split(","):
         conn, child = get_context("spawn").Pipe()
         sender = get_context("spawn").Process(
@@ -101,7 +129,7 @@ def main() -> None:
         sender.start()
         conn.recv()
         receiver = IpcReceiver()
-        parts = time_parts(receiver)
+        parts = {**time_parts(receiver), **read_parts}
         stages: dict[str, list[float]] = {
             k: [] for k in (*STAGES, "copy on device", "whole call", "sender", "release", *parts)
         }
