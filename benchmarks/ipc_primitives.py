@@ -12,14 +12,16 @@ once and, per share, times each call the engine's receive path makes, in its ord
     wait event  ``Event.wait(stream)`` (``cudaStreamWaitEvent``)
     view        ``as_strided`` of the held storage, ``view(uint8)``, a slice (and an event
                 record)
-    enqueue     ``dst.copy_(src)``: the 512 MiB copy into a torch allocation
+    enqueue     ``dst.copy_(src)``: the 512 MiB copy
     sync        ``stream.synchronize()``: until the copy ends
     destroy     dropping the opened event (``cudaEventDestroy``)
 
-in three ways: as the engine does (the sender's event waited on), without the wait (the sender
-synchronized before it shared: only the enqueue's cost after a cross-process wait differs), and
-from a local buffer (no IPC at all). The copy's device time is timed by CUDA events around it.
-Prints one JSON line per (way, step): median, 10th and 90th percentile microseconds.
+in four ways: as the engine does (the sender's event waited on), into a torch allocation or into
+a ``weights`` pool of a ``MemoryManager`` (VMM-mapped, as the engine's parameters are); without
+the wait (the sender synchronized before it shared: only the enqueue's cost after a
+cross-process wait differs); and from a local buffer (no IPC at all). The copy's device time
+is timed by CUDA events around it. Prints one JSON line per (way, step): median, 10th and 90th
+percentile microseconds.
 
     python benchmarks/ipc_primitives.py [--repeats 200] [--out primitives.jsonl]
 """
@@ -40,9 +42,10 @@ from torch.multiprocessing import reductions
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MiB, Recorder
+from dormant.memory import WEIGHTS, MemoryManager
 
 BUCKET = 512 * MiB
-WAYS = ("ipc event", "no event", "local")
+WAYS = ("ipc event", "ipc event, pool", "no event", "local")
 STEPS = ("stream", "open event", "wait event", "view", "enqueue", "sync", "destroy event")
 TIMED = (*STEPS, "copy on device")
 
@@ -67,7 +70,11 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def measure(way: str, repeats: int, recorder: Recorder) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    dst = torch.empty(BUCKET, dtype=torch.uint8, device=device)
+    memory = MemoryManager("cuda") if way.endswith("pool") else None
+    if memory is not None:
+        dst = memory.empty((BUCKET,), torch.uint8, WEIGHTS)
+    else:
+        dst = torch.empty(BUCKET, dtype=torch.uint8, device=device)
     local = torch.full((BUCKET,), 3, dtype=torch.uint8, device=device)
     ctx = get_context("spawn")
     conn, child = ctx.Pipe()
@@ -87,7 +94,9 @@ def measure(way: str, repeats: int, recorder: Recorder) -> None:
         stream = torch.cuda.current_stream(device)
         t1 = time.perf_counter()
         event = (
-            torch.cuda.Event.from_ipc_handle(device, event_handle) if way == "ipc event" else None
+            torch.cuda.Event.from_ipc_handle(device, event_handle)
+            if way.startswith("ipc event")
+            else None
         )
         t2 = time.perf_counter()
         if event is not None:
@@ -118,6 +127,9 @@ def measure(way: str, repeats: int, recorder: Recorder) -> None:
         del src
     conn.send("stop")
     sender.join()
+    del dst, held
+    if memory is not None:
+        memory.close()
     for step, values in times.items():
         recorder.emit(case="ipc primitive", way=way, step=step, samples=len(values),
                       **_percentiles(values))  # fmt: skip
@@ -132,10 +144,10 @@ def main() -> None:
     recorder.emit(case="setup", torch=torch.__version__, gpu=torch.cuda.get_device_name())
     for way in WAYS:
         measure(way, args.repeats, recorder)
-    print(f"{'way':10} " + " ".join(f"{step:>14}" for step in TIMED))
+    print(f"{'way':16} " + " ".join(f"{step:>14}" for step in TIMED))
     for way in WAYS:
         rows = {r["step"]: r for r in recorder.rows if r.get("way") == way}
-        print(f"{way:10} " + " ".join(f"{rows[s]['median_us']:14.1f}" for s in TIMED))
+        print(f"{way:16} " + " ".join(f"{rows[s]['median_us']:14.1f}" for s in TIMED))
 
 
 if __name__ == "__main__":
