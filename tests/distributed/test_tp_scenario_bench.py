@@ -1,0 +1,28 @@
+"""``benchmarks/tp_scenario.py`` (issue 20's scenario) runs on the CPU at TP=2 over gloo: a MoE
+with self-speculation through two cycles (levels 2 and 1), the tokens, every rank's guarded
+addresses and the acceptance rate unchanged, and one row per rank and cycle."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from benchmarks import tp_scenario
+
+
+def test_the_tp_scenario_runs_at_tp2_on_the_cpu(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    argv = ["tp_scenario.py", "--tiny", "--cycles", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    tp_scenario.main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    setup = next(row for row in rows if row["case"] == "setup")
+    assert setup["tp"] == 2 and setup["architecture"] == "Qwen3MoeForCausalLM"
+    cycles = [row for row in rows if row["case"] == "cycle"]
+    assert [c["level"] for c in cycles] == [2, 1]
+    assert all(c["tokens_equal"] and c["guards_equal"] and c["acceptance"] == 1.0 for c in cycles)
+    assert cycles[0]["reload_s"] is not None and cycles[1]["reload_s"] is None
+    ranks = [row for row in rows if row["case"] == "rank"]
+    assert sorted((r["cycle"], r["rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["sleep_s"] is not None and r["wake_kv_s"] is not None for r in ranks)
