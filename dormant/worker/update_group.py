@@ -153,7 +153,7 @@ class WeightUpdateGroups:
         self._groups[group_name] = group
 
     def destroy_weights_update_group(self, group_name: str) -> None:
-        dist.destroy_process_group(self._get(group_name))
+        dist.destroy_process_group(self.group(group_name))
         del self._groups[group_name]
 
     def destroy_all(self) -> None:
@@ -178,7 +178,7 @@ class WeightUpdateGroups:
         fit, ``WeightTransferError`` (every weight marked stale, the group destroyed) when a
         broadcast fails or times out, and ``UpdateGroupError`` for an unknown group, format or
         malformed lists (nothing received or written)."""
-        group = self._get(group_name)
+        group = self.group(group_name)
         specs = _specs(names, dtypes, shapes)
         if load_format not in (None, FLATTENED_BUCKET):
             raise UpdateGroupError(f"load_format={load_format!r}: use None or {FLATTENED_BUCKET!r}")
@@ -225,7 +225,9 @@ class WeightUpdateGroups:
             yield from zip((s.name for s in bucket), buffers, strict=True)
             del buffers, received, works
 
-    def _get(self, group_name: str) -> dist.ProcessGroup:
+    def group(self, group_name: str) -> dist.ProcessGroup:
+        """The group named ``group_name``, for a caller's own collectives over it (a
+        benchmark's plain broadcast); ``UpdateGroupError`` when there is none."""
         if group_name not in self._groups:
             raise UpdateGroupError(
                 f"no weight-update group {group_name!r} (groups: {list(self._groups)}); call "
