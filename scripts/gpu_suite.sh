@@ -76,10 +76,10 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
     status=$((status | PIPESTATUS[0]))
   done
 fi
-if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 9 min
-  # The eighteenth session's run 2: issue 13's IPC GPU tests, and the receiver's time beyond the
-  # copy at 512 MiB to 2 GiB buckets; issue 16's overlap probe on the card the call got.
-  RUN=pending bash benchmarks/results/2026-12-05-run2.sh 2>&1 | tee "$OUT/pending.log"
+if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 6 min
+  # The nineteenth session's: issue 13's IPC GPU tests and refit.py with its receiver, and issue
+  # 20's tp_scenario.py at TP=1 (its GPU path), none run on a GPU yet.
+  RUN=pending bash benchmarks/results/2026-12-06-pending.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
 fi
 # The device tool brings back at most 8 files: more are packed into one archive.

@@ -2,6 +2,7 @@
 # Run 1 (nineteenth session). Issue 13: what each CUDA call of an IPC bucket's receive costs the
 # host (ipc_primitives.py), the receiver's stages at 512 MiB on this card (ipc_stages.py), and
 # the host's Python speed (ipc_host.py, the CPU-only receive, to compare with the CI machine's).
+# .ab/base was `git archive cebc91e dormant benchmarks` (the session's starting commit), carried.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 P=$OUT/${RUN:-2026-12-06-run1}
 nvidia-smi > $P-nvidia-smi.txt 2>&1

@@ -4,7 +4,8 @@
 # (ipc_primitives.py), the host's speed on the CPU-only receive (ipc_host.py, fixed to
 # build its engine on the CPU), and the committed tree (.ab/base) against the working tree (the
 # framed head, no slice of a whole bucket, no no_grad around byte runs): refit.py at 512 MiB,
-# in turn.
+# in turn. .ab/base was `git archive cebc91e dormant benchmarks` (the session's starting
+# commit), carried.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 P=$OUT/${RUN:-2026-12-06-run2}
 nvidia-smi > $P-nvidia-smi.txt 2>&1
