@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -17,6 +18,7 @@ from dormant.memory import MemoryManager
 from dormant.models import CausalLM, ModelConfig, WeightError, build_model
 from dormant.worker.copy_plan import LoaderCall, Run, StridedCopy
 from dormant.worker.copy_plans import CopyPlans
+from dormant.worker.ipc_payload import FlattenedTensorMetadata
 from dormant.worker.ipc_weights import bucket_items, make_flattened_bucket
 from dormant.worker.refit_record import RefitRecord
 from dormant.worker.transfer_errors import WeightTransferError
@@ -110,6 +112,25 @@ def test_a_bucket_in_the_models_order_is_one_copy() -> None:
     for parameter in model.parameters():
         parameter.requires_grad_(True)
     assert refit(plans, model, named) == set(model.expected_weight_shapes())
+    assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
+
+
+def test_byte_runs_from_a_buffer_that_requires_grad_record_no_autograd_graph() -> None:
+    """Outside no_grad, a Run's source is the buffer's uint8 bytes, which never require grad:
+    nothing is recorded that would keep the sender's (IPC) buffer alive."""
+    model, plans = tiny(TINY_LLAMA), CopyPlans()
+    named = new_weights(model, 9)  # float32, as the model: SGLang's older bucket of one dtype
+    flat = torch.cat([t.reshape(-1) for _, t in named]).requires_grad_(True)
+    ends = list(itertools.accumulate(t.numel() for _, t in named))
+    metadata = [
+        FlattenedTensorMetadata(n, t.shape, t.dtype, end - t.numel(), end, t.numel())
+        for (n, t), end in zip(named, ends, strict=True)
+    ]
+    flat_bytes, items = bucket_items({"flattened_tensor": flat, "metadata": metadata})
+    plan = plans.get(model, items)
+    assert plan.is_untracked and not flat_bytes.requires_grad
+    plan.run(model, flat_bytes)
+    assert all(step.dst.grad_fn is None for step in plan.steps if isinstance(step, Run))
     assert_state_equal(state(model), expected_state(TINY_LLAMA, named))
 
 
