@@ -3,7 +3,8 @@ TP ranks (SGLang's ``init_weights_update_group`` / ``update_weights_from_distrib
 a plain broadcast of the same bytes over the same group.
 
 On GPUs (NCCL) the engine's ranks are on GPUs 0..N-1 and the trainer, rank 0 of the group, on
-GPU N (default: N = the visible GPUs less one). The trainer makes seeded random weights under
+GPU N (default: N = the largest power of two below the visible GPUs, so that it divides the
+heads: TP=2 on four GPUs). The trainer makes seeded random weights under
 the model's HF names (on the CPU, then on its GPU, so that the driver can make the same bytes)
 and, per repeat:
   - refit: broadcasts them tensor by tensor (``load_format=None``) while the engine receives
@@ -99,14 +100,15 @@ def tokens(llm: LLM) -> list[tuple[int, ...]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=None, help="engine ranks (default: GPUs - 1)")
+    parser.add_argument("--tp", type=int, default=None, help="engine ranks (default: see above)")
     parser.add_argument("--layers", type=int, default=12, help="the 8B-like model's layers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny model at TP=2 on the CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     on_gpu = not args.tiny
-    tp = args.tp or (torch.cuda.device_count() - 1 if on_gpu else 2)
+    spare = torch.cuda.device_count() - 1  # the GPUs beside the trainer's
+    tp = args.tp or (1 << (spare.bit_length() - 1) if on_gpu and spare > 0 else 2)
     if on_gpu and tp >= torch.cuda.device_count():
         raise SystemExit(f"TP={tp} leaves no GPU for the trainer ({torch.cuda.device_count()})")
     base = {**QWEN3_8B_LIKE, "num_hidden_layers": args.layers}
