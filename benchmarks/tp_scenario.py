@@ -8,7 +8,8 @@ layers: dormant builds MTP for MiMo only) runs, ``--cycles`` times with the leve
              → wake_up(["kv_cache"]) → generate
 
 and checks after every cycle that the tokens equal the first generate's, that every rank's
-guarded addresses are unchanged (``verify_guards``: the graphs' layout pointers) and that the
+guarded addresses are unchanged (``verify_guards`` on every rank: it raises
+``PointerGuardError`` when a graph-visible address moved) and that the
 speculative acceptance rate is the first generate's. Per cycle it prints the driver's seconds
 for each step (sleep, wake weights, reload, wake KV, first decode: a one-token generate) and, per
 rank, the memory layer's own sleep and wake seconds and the residual while asleep by owner (the
@@ -151,23 +152,22 @@ def main() -> None:
     )  # fmt: skip
     with build(args, config) as llm:
         expected, rate = generate(llm, GREEDY)
-        guards = llm.collective_rpc("verify_guards")
         rows = []
         for index in range(args.cycles):
             row, ranks = cycle(llm, 2 if index % 2 == 0 else 1)
+            llm.collective_rpc("verify_guards")  # raises if any rank's guarded address moved
             tokens, cycle_rate = generate(llm, GREEDY)
             row.update(
                 cycle=index, tokens_equal=tokens == expected, acceptance=cycle_rate,
                 acceptance_equal=cycle_rate == rate,
-                guards_equal=llm.collective_rpc("verify_guards") == guards,
             )  # fmt: skip
             rows.append(recorder.emit(case="cycle", **row))
             for rank in ranks:
                 recorder.emit(case="rank", cycle=index, **rank)
     print(table(rows, ["cycle", "level", *PRIOR_ART, "reload_s", "tokens_equal",
-                       "guards_equal", "acceptance"]))  # fmt: skip
-    if not all(r["tokens_equal"] and r["guards_equal"] and r["acceptance_equal"] for r in rows):
-        raise SystemExit("a cycle changed the tokens, a guarded address or the acceptance rate")
+                       "acceptance"]))  # fmt: skip
+    if not all(r["tokens_equal"] and r["acceptance_equal"] for r in rows):
+        raise SystemExit("a cycle changed the tokens or the acceptance rate")
 
 
 if __name__ == "__main__":

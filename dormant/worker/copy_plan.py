@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -133,13 +134,17 @@ class CopyPlan:
     addresses: tuple[int, ...]  # each target's data address
     offsets: tuple[int, ...]  # each target's offset in its storage (elements)
     devices: frozenset[torch.device]  # the targets'
-    # Only a Run writes through a tensor of its own over the storage (``set_``), which autograd
-    # does not track; a strided copy or a loader writes a view of a parameter: under no_grad.
-    is_untracked: bool = False
 
     @property
     def num_copies(self) -> int:
         return len(self.steps)
+
+    @cached_property
+    def is_untracked(self) -> bool:
+        """Only Runs: each writes through a tensor of its own over the storage (``set_``), which
+        autograd does not track, so the plan runs outside no_grad; a strided copy or a loader
+        writes a view of a parameter, under no_grad."""
+        return all(isinstance(step, Run) for step in self.steps)
 
     def is_valid_for(self, model: CausalLM) -> bool:
         """False once the model was re-materialised (a new table), or a target's memory moved:

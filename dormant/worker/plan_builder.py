@@ -48,10 +48,7 @@ def build_plan(model: CausalLM, items: Sequence[BucketItem]) -> CopyPlan:
     num_bytes = max((item.start + item.nbytes for item in items), default=0)
     devices = frozenset(t.device for t in tensors)
     steps = _merged(spans)
-    untracked = all(isinstance(step, Run) for step in steps)
-    return CopyPlan(
-        steps, frozenset(names), num_bytes, table, tensors, addresses, offsets, devices, untracked
-    )
+    return CopyPlan(steps, frozenset(names), num_bytes, table, tensors, addresses, offsets, devices)
 
 
 # ── merging ────────────────────────────────────────────────────────────────────

@@ -1,6 +1,6 @@
 """``benchmarks/tp_scenario.py`` (issue 20's scenario) runs on the CPU at TP=2 over gloo: a MoE
-with self-speculation through two cycles (levels 2 and 1), the tokens, every rank's guarded
-addresses and the acceptance rate unchanged, and one row per rank and cycle."""
+with self-speculation through two cycles (levels 2 and 1), the tokens and the acceptance rate
+unchanged (a moved guarded address would raise), and one row per rank and cycle."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_the_tp_scenario_runs_at_tp2_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
     assert setup["tp"] == 2 and setup["architecture"] == "Qwen3MoeForCausalLM"
     cycles = [row for row in rows if row["case"] == "cycle"]
     assert [c["level"] for c in cycles] == [2, 1]
-    assert all(c["tokens_equal"] and c["guards_equal"] and c["acceptance"] == 1.0 for c in cycles)
+    assert all(c["tokens_equal"] and c["acceptance"] == 1.0 for c in cycles)
     assert cycles[0]["reload_s"] is not None and cycles[1]["reload_s"] is None
     ranks = [row for row in rows if row["case"] == "rank"]
     assert sorted((r["cycle"], r["rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
