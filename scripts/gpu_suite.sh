@@ -79,7 +79,7 @@ fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 6 min
   # The nineteenth session's: issue 13's IPC GPU tests and refit.py with its receiver, and issue
   # 20's tp_scenario.py at TP=1 (its GPU path), none run on a GPU yet.
-  RUN=pending bash benchmarks/results/2026-12-06-pending.sh 2>&1 | tee "$OUT/pending.log"
+  RUN=pending bash benchmarks/results/2026-12-06b-pending.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
 fi
 # The device tool brings back at most 8 files: more are packed into one archive.

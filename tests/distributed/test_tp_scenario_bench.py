@@ -19,6 +19,7 @@ def test_the_tp_scenario_runs_at_tp2_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     setup = next(row for row in rows if row["case"] == "setup")
     assert setup["tp"] == 2 and setup["architecture"] == "Qwen3MoeForCausalLM"
+    assert next(row for row in rows if row["case"] == "control")["control_equal"]
     cycles = [row for row in rows if row["case"] == "cycle"]
     assert [c["level"] for c in cycles] == [2, 1]
     assert all(c["tokens_equal"] and c["acceptance"] == 1.0 for c in cycles)
@@ -26,3 +27,5 @@ def test_the_tp_scenario_runs_at_tp2_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
     ranks = [row for row in rows if row["case"] == "rank"]
     assert sorted((r["cycle"], r["rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["sleep_s"] is not None and r["wake_kv_s"] is not None for r in ranks)
+    level_1 = [r for r in ranks if r["level"] == 1]
+    assert all(r["sleep_bytes_copied"] > 0 and r["sleep_arena_s"] >= 0 for r in level_1)
