@@ -39,6 +39,7 @@ from torch import Tensor
 
 from dormant.models import CausalLM
 from dormant.models.weights import WeightTarget
+from dormant.worker.cuda_streams import current_stream
 from dormant.worker.transfer_errors import WeightTransferError
 
 
@@ -198,4 +199,4 @@ def wait_for_copies(devices: set[torch.device]) -> None:
     sender may free or reuse the tensors it sent."""
     for device in devices:
         if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+            current_stream(device).synchronize()

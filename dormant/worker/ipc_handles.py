@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing import reductions
 
+from dormant.worker.cuda_streams import current_stream
 from dormant.worker.ipc_counters import RefCounterFiles
 from dormant.worker.transfer_errors import WeightTransferError
 
@@ -48,8 +49,7 @@ def open_shared_cuda(*args: Any) -> torch.UntypedStorage:
 
 
 def wait_on_ipc_event(device: int, event_handle: bytes) -> None:
-    stream = torch.cuda.current_stream(device)
-    torch.cuda.Event.from_ipc_handle(device, event_handle).wait(stream)
+    torch.cuda.Event.from_ipc_handle(device, event_handle).wait(current_stream(device))
 
 
 class _Held:
