@@ -9,7 +9,8 @@ Cases (issue 13):
     "flattened_bucket")``, one receiver per sender mode (its copy plans and held handles, as a
     worker's); each mode is timed twice: end to end (the sender packs each bucket, as slime and
     verl do), and engine side (the sender finished packing before it sends, and only the
-    receiver's calls are summed);
+    receiver's calls are summed; ``--spin``: it polls for each bucket in a busy loop instead
+    of sleeping in a blocking read);
   - trl loop: ``load_weights([(name, tensor)])`` one tensor at a time (fp32, TRL's default policy,
     and bf16), the baseline.
 Each case prints a JSON line: seconds (median of ``--repeats``), GB/s of weight bytes,
@@ -27,6 +28,7 @@ parameters are back to back in module order). Not measured here: the time until 
 generates (``benchmarks/refit_to_generate.py``).
 
 Usage: python benchmarks/refit.py [--out results.jsonl] [--bucket-mib 512] [--repeats 5]
+           [--modes new,reuse,pipelined,direct] [--spin]
        python benchmarks/refit.py --tiny   (a tiny model on the CPU: checks the script runs)
 """
 
@@ -199,14 +201,29 @@ def _unreleased_bytes(device: str, allocated: int) -> int:
     return torch.cuda.memory_allocated() - allocated
 
 
+def receive(conn: Connection, spin: bool) -> Any:
+    """The sender's next message. ``spin``: polled in a busy loop, so the receiving thread never
+    sleeps between buckets (as vLLM's shared-memory message queue spins before it blocks),
+    instead of a blocking read."""
+    if spin:
+        while not conn.poll():
+            pass
+    return conn.recv()
+
+
 def ipc_case(
-    receiver: IpcReceiver, model: CausalLM, conn: Connection, load_format: str | None, command: str
+    receiver: IpcReceiver,
+    model: CausalLM,
+    conn: Connection,
+    load_format: str | None,
+    command: str,
+    spin: bool = False,
 ) -> float:
     """One refit from the sender, ended as the worker ends it (``release``); returns the
     receiver-side seconds (inside the update calls, and the release)."""
     inside = 0.0
     conn.send(command)
-    while (entries := conn.recv()) is not None:
+    while (entries := receive(conn, spin)) is not None:
         start = time.perf_counter()
         receiver.update_weights_from_tensor(model, entries, load_format=load_format)
         inside += time.perf_counter() - start
@@ -223,8 +240,9 @@ def refit_into(
     conn: Connection,
     load_format: str | None,
     command: str,
+    spin: bool = False,
 ) -> None:
-    sink[command].append(ipc_case(receiver, model, conn, load_format, command))
+    sink[command].append(ipc_case(receiver, model, conn, load_format, command, spin))
 
 
 # ── the run ────────────────────────────────────────────────────────────────────────────────
@@ -249,7 +267,16 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--modes", default=",".join(SENDER_MODES), help="the IPC sender modes, comma-separated"
+    )
+    parser.add_argument(
+        "--spin", action="store_true", help="the engine side polls for buckets (never sleeps)"
+    )
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(SENDER_MODES):
+        parser.error(f"unknown --modes {sorted(unknown)}; choose from {list(SENDER_MODES)}")
     rec = Recorder(args.out)
     device = torch.device("cpu" if args.tiny else "cuda")
     config = ModelConfig.from_dict(TINY if args.tiny else QWEN3_8B_LIKE)
@@ -265,6 +292,8 @@ def main() -> None:
         num_tensors=len(shapes),
         bucket_bytes=args.bucket_mib * MiB,
         repeats=args.repeats,
+        modes=modes,
+        spin=args.spin,
     )
     rows: list[dict[str, Any]] = []
 
@@ -294,7 +323,8 @@ def main() -> None:
         report(f"trl loop, {name}, one tensor per call", *loop)
         weights = []
 
-    for mode, how in SENDER_MODES.items():
+    for mode in modes:
+        how = SENDER_MODES[mode]
         ctx = get_context("spawn")
         conn, child = ctx.Pipe()
         sender = ctx.Process(
@@ -308,7 +338,7 @@ def main() -> None:
         inside: dict[str, list[float]] = {"run": [], "run synced": []}
 
         refit = partial(refit_into, inside, receiver, model, conn, load_format)
-        engine_side, _ = measure(partial(refit, "run synced"), device, args.repeats)
+        engine_side, _ = measure(partial(refit, "run synced", args.spin), device, args.repeats)
         handles = receiver.handles
         opened, reused = handles.num_opened, handles.num_reused
         times, peak = measure(partial(refit, "run"), device, args.repeats)
