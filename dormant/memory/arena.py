@@ -171,13 +171,24 @@ class HostArena:
         self._chunks.clear()
 
     def _allocate_existing(self, nbytes: int) -> Region | None:
-        for index, chunk in enumerate(self._chunks):
-            if chunk is None:
-                continue
-            offset = chunk.ranges.allocate(nbytes)
-            if offset is not None:
-                return Region(index, offset, nbytes, chunk.address + offset)
-        return None
+        """Best fit: the smallest free span of any chunk that holds ``nbytes``. The chunks are
+        sized for the allocations a level offloads (``prepare``), so first fit let a smaller
+        sleep's region (the runtime's, at level 2) take the room of a weights-sized chunk, and
+        the next level-1 sleep grew and pinned that much again."""
+        spans = (
+            (span, index)
+            for index, chunk in enumerate(self._chunks)
+            if chunk is not None and (span := chunk.ranges.tightest_fit(nbytes)) is not None
+        )
+        best = min(spans, default=None)
+        if best is None:
+            return None
+        index = best[1]
+        chunk = self._chunks[index]
+        assert chunk is not None
+        offset = chunk.ranges.allocate(nbytes, best_fit=True)
+        assert offset is not None, "the span that was measured holds it"
+        return Region(index, offset, nbytes, chunk.address + offset)
 
     def _unplaced(self, sizes: list[int]) -> list[int]:
         """The sizes (largest first) that would not fit in the arena's free space as it is."""

@@ -59,21 +59,35 @@ class RangeAllocator:
                 self._free_ends[-1] = size
         self.size = size
 
-    def allocate(self, nbytes: int) -> int | None:
-        """The offset of a new span of ``nbytes`` (rounded to the alignment), or None if full."""
+    def tightest_fit(self, nbytes: int) -> int | None:
+        """The length of the smallest free span that holds ``nbytes`` (aligned), or None."""
+        need = align_up(max(nbytes, 1), self.alignment)
+        lengths = map(int.__sub__, self._free_ends, self._free_starts)
+        return min((n for n in lengths if n >= need), default=None)
+
+    def allocate(self, nbytes: int, *, best_fit: bool = False) -> int | None:
+        """The offset of a new span of ``nbytes`` (rounded to the alignment), or None if full:
+        in the first free span that holds it, or with ``best_fit`` in the smallest one."""
         need = align_up(max(nbytes, 1), self.alignment)
         if self.size - self._allocated_bytes < need:
             return None  # cheap refusal: a full range is asked first-fit by every new block
-        for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends, strict=True)):
-            if end - start >= need:
-                if end - start == need:
-                    del self._free_starts[i], self._free_ends[i]
-                else:
-                    self._free_starts[i] = start + need
-                self._allocated[start] = need
-                self._allocated_bytes += need
-                return start
-        return None
+        fits = (
+            (end - start, i)
+            for i, (start, end) in enumerate(zip(self._free_starts, self._free_ends, strict=True))
+            if end - start >= need
+        )
+        found = min(fits, default=None) if best_fit else next(fits, None)
+        if found is None:
+            return None
+        length, i = found
+        start = self._free_starts[i]
+        if length == need:
+            del self._free_starts[i], self._free_ends[i]
+        else:
+            self._free_starts[i] = start + need
+        self._allocated[start] = need
+        self._allocated_bytes += need
+        return start
 
     def free(self, offset: int) -> None:
         """Returns the span at ``offset``; raises KeyError if it is not allocated."""

@@ -140,3 +140,24 @@ def test_bad_requests_raise_and_start_nothing(mm: MemoryManager) -> None:
     mm.close()
     with pytest.raises(ManagerClosedError):
         mm.prepare_arena(level=1)
+
+
+def test_a_smaller_sleep_first_leaves_the_prepared_arena_whole_for_level_1(
+    mm: MemoryManager, faulty: FaultyBackend
+) -> None:
+    """A level-2 sleep before the first level-1 one (the runtime's region taken from the
+    prepared chunks) must not take it from the chunk sized for the weights: first fit did, and
+    the level-1 sleep grew and pinned a weights-sized chunk again (2.0 s for 12.5 GB in
+    tp_scenario.py on an H100, 2026-12-06b run 2)."""
+    tensors, expected = fill(mm)
+    mm.prepare_arena(level=1).wait()
+    capacity = mm.arena.capacity_bytes
+    mm.sleep(level=2)  # the runtime: a region of the prepared arena
+    mm.wake_up()
+    faulty.arm()
+    report = mm.sleep(level=1)
+    assert faulty.calls["pin"] == 0 and report.arena_s < 0.1
+    assert mm.arena.capacity_bytes == capacity
+    mm.wake_up()
+    assert same_bytes(tensors[2], expected[2])  # the runtime
+    del tensors

@@ -19,7 +19,8 @@ from dormant.memory.ranges import RangeAllocator
 MiB = 1 << 20
 
 
-def test_range_allocator_tiles_the_range_under_random_churn() -> None:
+@pytest.mark.parametrize("best_fit", [False, True])
+def test_range_allocator_tiles_the_range_under_random_churn(best_fit: bool) -> None:
     ranges = RangeAllocator(1 << 16, alignment=256)
     rng = random.Random(0)
     live: dict[int, int] = {}
@@ -30,8 +31,9 @@ def test_range_allocator_tiles_the_range_under_random_churn() -> None:
             del live[offset]
         else:
             nbytes = rng.randint(1, 3000)
-            offset = ranges.allocate(nbytes)
+            offset = ranges.allocate(nbytes, best_fit=best_fit)
             if offset is None:
+                assert ranges.tightest_fit(nbytes) is None
                 continue
             assert offset % 256 == 0
             for other, size in live.items():  # no overlap with any live span
@@ -45,6 +47,16 @@ def test_range_allocator_tiles_the_range_under_random_churn() -> None:
     for offset in list(live):
         ranges.free(offset)
     assert ranges.is_empty and ranges.allocate(1 << 16) == 0
+
+
+def test_best_fit_takes_the_smallest_free_span_that_holds_it() -> None:
+    ranges = RangeAllocator(10 * 256, alignment=256)
+    spans = [ranges.allocate(n * 256) for n in (1, 4, 1, 2, 1)]  # then free the 4 and the 2
+    ranges.free(spans[1])
+    ranges.free(spans[3])
+    assert ranges.tightest_fit(2 * 256) == 2 * 256 and ranges.tightest_fit(5 * 256) is None
+    assert ranges.allocate(2 * 256, best_fit=True) == spans[3]  # first fit takes the 4's
+    assert ranges.allocate(256) == spans[1]
 
 
 def test_dlpack_view_deleter_runs_when_the_last_view_dies() -> None:
