@@ -19,13 +19,26 @@ CUDA graph:
     phase         one's attention part of a layer beside the other's feed-forward part (the
                   schedule of a two-batch overlap step)
 
+    typed streams the same lockstep, but each phase on the stream of its kind: the feed-forward
+                  phases (GEMMs, compute-bound) on a high-priority stream, the attention ones
+                  on a low-priority stream, so the GEMMs' blocks are dispatched first and the
+                  attention fills the SMs they leave
+
+``--carveouts``: the two-stream ways again with the GEMMs held to fewer SMs (cuBLASLt's SM count
+target, torch's ``_set_sm_carveout_experimental``: that many SMs left to the other stream), each
+with its own "halves" reference (the carveout changes the GEMMs' algorithms, so their bits).
+Without scheduling the SMs, the engine's GEMMs (persistent kernels) take every SM, so a kernel
+on the other stream starts only as their last blocks drain (2026-12-05 run 2: two free streams
+5-7 % under the halves, 7-8 % over the whole batch at batch 512 on an H100).
+
 The halves read the same weights, as a two-batch step would. Per batch size and way it prints the
 median milliseconds per layer, that over the whole batch's memory roofline (its weights once and
 all of its KV, at the measured copy bandwidth), and its time over the halves' (below 1 for a
 two-stream way: the streams overlapped). The two-stream replays' outputs must equal the halves'
 bit for bit (the same kernels on the same inputs).
 
-    python benchmarks/overlap_probe.py [--batch-sizes 512,256] [--context 768] [--out o.jsonl]
+    python benchmarks/overlap_probe.py [--batch-sizes 512,256] [--context 768]
+        [--carveouts 24,48] [--out o.jsonl]
 """
 
 from __future__ import annotations
@@ -114,11 +127,53 @@ def offset_by_a_phase(first: DenseLayerChain, second: DenseLayerChain) -> Run:
     return run
 
 
+def typed_streams(first: DenseLayerChain, second: DenseLayerChain) -> Run:
+    """``offset_by_a_phase``, each phase on the stream of its kind: feed-forward phases on a
+    high-priority stream, attention phases on a low-priority one (at each tick the two halves
+    run one of each; both streams wait for each other after it, so each half's order holds)."""
+    # 0 is the lowest priority; a number below the range is mapped to the highest.
+    attention_stream, ffn_stream = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-99)
+    chains = (first, second)
+    num_phases = 2 * first.num_layers
+
+    def run() -> list[torch.Tensor]:
+        main = torch.cuda.current_stream()
+        states = [[chain.hidden, chain.residual] for chain in chains]
+        outputs: list[list[torch.Tensor]] = [[], []]
+        for stream in (attention_stream, ffn_stream):
+            stream.wait_stream(main)
+        for tick in range(num_phases + 1):
+            for half, chain in enumerate(chains):
+                index = tick - half
+                if not 0 <= index < num_phases:
+                    continue
+                layer, part = divmod(index, 2)
+                state = states[half]
+                with torch.cuda.stream(ffn_stream if part else attention_stream):
+                    step = chain.feed_forward if part else chain.attend
+                    state[0], state[1] = step(layer, state[0], state[1], chain.default)
+                outputs[half].append(state[0])
+            attention_stream.wait_stream(ffn_stream)
+            ffn_stream.wait_stream(attention_stream)
+        for stream in (attention_stream, ffn_stream):
+            main.wait_stream(stream)
+        return outputs[0] + outputs[1]
+
+    return run
+
+
 WAYS: dict[str, Callable[[DenseLayerChain, DenseLayerChain], Run]] = {
     "halves": in_series,
     "two streams": on_two_streams,
     "offset by a phase": offset_by_a_phase,
+    "typed streams": typed_streams,
 }
+
+
+def set_carveout(sms: int | None) -> None:
+    """GEMMs held to all but ``sms`` SMs (None: all of them, cuBLAS as by default)."""
+    torch._C._set_sm_carveout_experimental(sms)
+    torch.backends.cuda.preferred_blas_library("cublaslt" if sms else "cublas")
 
 
 def timed(run: Run, num_layers: int) -> tuple[list[float], list[torch.Tensor]]:
@@ -141,8 +196,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="512,256")
     parser.add_argument("--context", type=int, default=768)
+    parser.add_argument("--carveouts", default="", help="SMs left by the GEMMs, e.g. 24,48")
     parser.add_argument("--out", default=None, help="JSON lines are appended here too")
     args = parser.parse_args()
+    carveouts: list[int | None] = [None, *(int(c) for c in args.carveouts.split(",") if c)]
     rec = Recorder(args.out)
     bandwidth = device_copy_bandwidth()
     rec.emit(case="environment", copy_bandwidth=bandwidth, **environment())
@@ -154,27 +211,33 @@ def main() -> None:
         del whole
         torch.cuda.empty_cache()
         first, second = halves_of(batch, args.context)
-        ways, outputs = {"one batch": times}, {}
-        for way, make in WAYS.items():
-            ways[way], outputs[way] = timed(make(first, second), first.num_layers)
-        expected = outputs["halves"]
-        equal = {
-            way: all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-            for way, got in outputs.items()
-            if way != "halves"
-        }
-        halves_ms = statistics.median(ways["halves"])
-        for way, values in ways.items():
-            median = statistics.median(values)
-            rows.append(rec.emit(
-                case="overlap probe", batch=batch, way=way, per_layer_ms=median,
-                min_ms=min(values), max_ms=max(values), roofline_ms=roofline_ms,
-                x_roofline=median / roofline_ms, over_halves=median / halves_ms,
-                bit_exact=equal.get(way),
-            ))  # fmt: skip
-        del first, second, expected, outputs
+        for carveout in carveouts:
+            set_carveout(carveout)
+            ways, outputs = ({"one batch": times} if carveout is None else {}), {}
+            for way, make in WAYS.items():
+                ways[way], outputs[way] = timed(make(first, second), first.num_layers)
+            set_carveout(None)
+            expected = outputs["halves"]
+            equal = {
+                way: all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+                for way, got in outputs.items()
+                if way != "halves"
+            }
+            halves_ms, whole_ms = statistics.median(ways["halves"]), statistics.median(times)
+            for way, values in ways.items():
+                median = statistics.median(values)
+                rows.append(rec.emit(
+                    case="overlap probe", batch=batch, way=way, carveout=carveout,
+                    per_layer_ms=median, min_ms=min(values), max_ms=max(values),
+                    roofline_ms=roofline_ms, x_roofline=median / roofline_ms,
+                    over_halves=median / halves_ms, over_one_batch=median / whole_ms,
+                    bit_exact=equal.get(way),
+                ))  # fmt: skip
+            del expected, outputs
+        del first, second
         torch.cuda.empty_cache()
-    columns = ["batch", "way", "per_layer_ms", "x_roofline", "over_halves", "bit_exact"]
+    columns = ["batch", "way", "carveout", "per_layer_ms", "x_roofline", "over_halves",
+               "over_one_batch", "bit_exact"]  # fmt: skip
     print(table(rows, columns))
 
 
