@@ -33,7 +33,7 @@ from dormant.memory.residual import ResidualLedger
 from dormant.memory.serial import SerialSection
 from dormant.memory.slab_rules import SlabRule, tag_slab_rules
 from dormant.memory.sleep_wake import SleepWake
-from dormant.memory.states import TagState
+from dormant.memory.states import State, TagState
 from dormant.memory.status import MemoryStatus, SleepReport, WakeReport
 from dormant.memory.status_report import status_of
 from dormant.memory.tag_machine import asleep_policy, tag_states
@@ -128,10 +128,14 @@ class MemoryManager:
             return tag_states(self._table.pools)
 
     def is_sleeping(self, tag: str | None = None) -> bool:
-        """Whether ``tag`` (or, with None, any tag) is not AWAKE: asleep, or in between."""
-        states = self.tag_states()
-        names = list(states) if tag is None else self._check_tags([tag])
-        return any(states[t] is not TagState.AWAKE for t in names)
+        """Whether ``tag`` (or, with None, any tag) is not AWAKE (some allocation is not
+        mapped): asleep, or in between. Read without the manager's lock, each allocation's state
+        once, so that it is cheap enough to guard every write (a refit asks per bucket): a sleep
+        on another thread meanwhile may or may not be seen, as it may not be a moment after a
+        locked read either."""
+        pools = self._table.pools
+        names = list(pools) if tag is None else self._check_tags([tag])
+        return any(a.state is not State.MAPPED for t in names for a in pools[t].allocations)
 
     @property
     def asleep_tags(self) -> dict[str, Policy]:

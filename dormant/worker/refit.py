@@ -21,7 +21,7 @@ import torch
 
 from dormant.core.config import EngineConfig
 from dormant.core.errors import EngineAsleepError
-from dormant.memory import RUNTIME, WEIGHTS, MemoryManager, TagState
+from dormant.memory import RUNTIME, WEIGHTS, MemoryManager
 from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
 from dormant.worker import ipc_weights
 from dormant.worker.draft_model import DraftModel
@@ -39,8 +39,7 @@ TensorPayload = (
 def check_awake(mm: MemoryManager, what: str, *tags: str) -> None:
     """Raises EngineAsleepError unless every one of ``tags`` is awake: reading or writing
     memory that is asleep is a segfault on the host and an illegal address on the GPU."""
-    states = mm.tag_states()
-    asleep = [tag for tag in tags if states[tag] is not TagState.AWAKE]
+    asleep = [tag for tag in tags if mm.is_sleeping(tag)]  # per bucket of a refit: cheap
     if asleep:
         raise EngineAsleepError(
             f"{what} needs {asleep} awake; wake_up({asleep}) first (for a refit: "
