@@ -56,6 +56,8 @@ def test_empty_tags_are_awake(mm: MemoryManager) -> None:
     }
     assert mm.asleep_tags == {"weights": Policy.HOST}
     assert not mm.is_sleeping("kv_cache") and mm.is_sleeping("weights") and mm.is_sleeping()
+    with pytest.raises(UnknownTagError):
+        mm.is_sleeping("weight")
     kv = mm.empty((16,), torch.float32, "kv_cache")
     mm.wake_up()
     assert set(mm.tag_states().values()) == {TagState.AWAKE} and not mm.is_sleeping()
