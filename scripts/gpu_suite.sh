@@ -77,8 +77,8 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
   done
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 6 min
-  # The nineteenth session's: issue 13's IPC GPU tests and refit.py with its receiver, and issue
-  # 20's tp_scenario.py at TP=1 (its GPU path), none run on a GPU yet.
+  # The twentieth session's, for an H200 (it was lent only H100s): issue 16's overlap probe with
+  # the GEMMs' SM carveouts, and issue 13's refit.py at 512 MiB with this receiver.
   RUN=pending bash benchmarks/results/2026-12-06b-pending.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
 fi
