@@ -15,7 +15,8 @@ prefix cache: the cycle's sleep invalidated it and its one-token first decode ca
 full blocks, so the reference is made after ``reset_prefix_cache()`` and a one-token generate too
 (a prefill over cached blocks is not bitwise the full prefill in bf16, and random weights' flat
 logits turn that into other tokens); ``control_equal`` says whether a second reference, made the
-same way before any cycle, equals the first. Per cycle it prints the driver's seconds for each
+same way before any cycle, equals the first, and ``cold_equal`` whether the same generate on an
+empty cache does (not required). Per cycle it prints the driver's seconds for each
 step (sleep, wake weights, reload, wake KV, first decode: a one-token generate) and, per rank, the
 memory layer's own sleep and wake seconds, what the sleep spent growing the host arena and
 copying, and the residual while asleep by owner (the NCCL communicator's row included;
@@ -179,7 +180,9 @@ def main() -> None:
         expected, rate = reference(llm)
         control, control_rate = reference(llm)
         control_equal = control == expected and control_rate == rate
-        recorder.emit(case="control", control_equal=control_equal)
+        llm.reset_prefix_cache()  # the same prompts on an empty cache: every block computed
+        cold, _ = generate(llm, GREEDY)
+        recorder.emit(case="control", control_equal=control_equal, cold_equal=cold == expected)
         rows = []
         for index in range(args.cycles):
             row, ranks = cycle(llm, 2 if index % 2 == 0 else 1)
