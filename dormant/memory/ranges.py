@@ -1,6 +1,7 @@
-"""First-fit allocation of offsets inside a fixed-size range, with coalescing.
+"""Allocation of offsets inside a fixed-size range, with coalescing: first fit, or best fit.
 
-Used for sub-allocating small tensors inside a slab and for regions inside the host arena.
+Used for sub-allocating small tensors inside a slab (first fit) and for regions inside the host
+arena (best fit: its chunks are sized for what they will hold).
 
 Invariant: the free spans are sorted, disjoint, non-adjacent (always coalesced), and together with
 the allocated spans they tile ``[0, size)`` exactly.
