@@ -140,6 +140,11 @@ def typed_streams(first: DenseLayerChain, second: DenseLayerChain) -> Run:
         main = torch.cuda.current_stream()
         states = [[chain.hidden, chain.residual] for chain in chains]
         outputs: list[list[torch.Tensor]] = [[], []]
+        # A half's residual is made on one stream and read on the other; freed when the next
+        # phase replaces it, its block would go back to the stream that made it while the
+        # other stream may still read it (the other half's phase in the same tick could be
+        # handed it). Kept until the end of the run instead.
+        residuals: list[torch.Tensor] = []
         for stream in (attention_stream, ffn_stream):
             stream.wait_stream(main)
         for tick in range(num_phases + 1):
@@ -153,6 +158,7 @@ def typed_streams(first: DenseLayerChain, second: DenseLayerChain) -> Run:
                     step = chain.feed_forward if part else chain.attend
                     state[0], state[1] = step(layer, state[0], state[1], chain.default)
                 outputs[half].append(state[0])
+                residuals.append(state[1])
             attention_stream.wait_stream(ffn_stream)
             ffn_stream.wait_stream(attention_stream)
         for stream in (attention_stream, ffn_stream):
