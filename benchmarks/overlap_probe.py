@@ -205,7 +205,10 @@ def main() -> None:
     parser.add_argument("--carveouts", default="", help="SMs left by the GEMMs, e.g. 24,48")
     parser.add_argument("--out", default=None, help="JSON lines are appended here too")
     args = parser.parse_args()
-    carveouts: list[int | None] = [None, *(int(c) for c in args.carveouts.split(",") if c)]
+    words = [c for c in args.carveouts.split(",") if c]
+    if not all(c.isdigit() and 0 < int(c) < 132 for c in words):
+        parser.error(f"--carveouts takes SM counts from 1 to 131, got {args.carveouts!r}")
+    carveouts: list[int | None] = [None, *map(int, words)]
     rec = Recorder(args.out)
     bandwidth = device_copy_bandwidth()
     rec.emit(case="environment", copy_bandwidth=bandwidth, **environment())

@@ -234,15 +234,11 @@ def ipc_case(
 
 
 def refit_into(
-    sink: dict[str, list[float]],
-    receiver: IpcReceiver,
-    model: CausalLM,
-    conn: Connection,
-    load_format: str | None,
-    command: str,
-    spin: bool = False,
+    sink: dict[str, list[float]], case: Callable[[str, bool], float], command: str, spin: bool
 ) -> None:
-    sink[command].append(ipc_case(receiver, model, conn, load_format, command, spin))
+    """``case`` (an ``ipc_case`` bound to its receiver, model, pipe and format) run for
+    ``command``, its seconds kept in ``sink[command]``."""
+    sink[command].append(case(command, spin))
 
 
 # ── the run ────────────────────────────────────────────────────────────────────────────────
@@ -337,11 +333,12 @@ def main() -> None:
         load_format = None if mode == "direct" else FLATTENED_BUCKET
         inside: dict[str, list[float]] = {"run": [], "run synced": []}
 
-        refit = partial(refit_into, inside, receiver, model, conn, load_format)
+        case = partial(ipc_case, receiver, model, conn, load_format)
+        refit = partial(refit_into, inside, case)
         engine_side, _ = measure(partial(refit, "run synced", args.spin), device, args.repeats)
         handles = receiver.handles
         opened, reused = handles.num_opened, handles.num_reused
-        times, peak = measure(partial(refit, "run"), device, args.repeats)
+        times, peak = measure(partial(refit, "run", False), device, args.repeats)
         received = checksum([p.detach() for p in params])
         conn.send("free")
         unreleased = conn.recv()

@@ -15,13 +15,14 @@ prefix cache: the cycle's sleep invalidated it and its one-token first decode ca
 full blocks, so the reference is made after ``reset_prefix_cache()`` and a one-token generate too
 (a prefill over cached blocks is not bitwise the full prefill in bf16, and random weights' flat
 logits turn that into other tokens); ``control_equal`` says whether a second reference, made the
-same way before any cycle, equals the first, and ``cold_equal`` whether the same generate on an
-empty cache does (not required). Per cycle it prints the driver's seconds for each
-step (sleep, wake weights, reload, wake KV, first decode: a one-token generate) and, per rank, the
-memory layer's own sleep and wake seconds, what the sleep spent growing the host arena and
-copying, and the residual while asleep by owner (the NCCL communicator's row included;
-``--comm-sleep`` suspends or re-creates it). On a GPU the
-decode runs FULL and fused multi-step graphs; ``--tiny`` runs a tiny model at TP=2 over gloo on
+same way before any cycle, equals the first, ``same_cache`` whether a cycle's generate found as
+many cached prompt tokens as the reference (both required), and ``cold_equal`` whether the same
+generate on an empty cache equals the reference (not required). Per cycle it prints the
+driver's seconds for each step (sleep, wake weights, reload, wake KV, first decode: a one-token
+generate) and, per rank, the memory layer's own sleep and wake seconds, what the sleep spent
+growing the host arena and copying, and the residual while asleep by owner (the NCCL
+communicator's row included; ``--comm-sleep`` suspends or re-creates it). On a GPU the decode
+runs FULL and fused multi-step graphs; ``--tiny`` runs a tiny model at TP=2 over gloo on
 the CPU (eager), which checks the script, not the figures.
 
 The prior art's figures on 4 x H200 at TP=4 (a MoE with MTP, FULL graphs): sleep 0.507 s, wake
@@ -38,7 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -89,15 +90,21 @@ def build(args: argparse.Namespace, config: ModelConfig) -> LLM:
     )  # fmt: skip
 
 
-def generate(llm: LLM, params: SamplingParams) -> tuple[list[tuple[int, ...]], float | None]:
-    """The prompts' tokens, and the acceptance rate of this call's drafts (None: none)."""
+class Generated(NamedTuple):
+    tokens: list[tuple[int, ...]]
+    rate: float | None  # the acceptance rate of this call's drafts (None: none)
+    cached_tokens: int  # the prompts' tokens the prefix cache held when it ran
+
+
+def generate(llm: LLM, params: SamplingParams) -> Generated:
     stats = llm.llm_engine.spec_decode_stats
     before = (stats.num_draft_tokens, stats.num_accepted_tokens) if stats else (0, 0)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     drafts = stats.num_draft_tokens - before[0] if stats else 0
     rate = (stats.num_accepted_tokens - before[1]) / drafts if stats and drafts else None
-    return [o.outputs[0].token_ids for o in outputs], rate
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Generated([o.outputs[0].token_ids for o in outputs], rate, cached)
 
 
 def timed(fn: Any, *args: Any) -> tuple[float, Any]:
@@ -146,7 +153,7 @@ def sleep_parts(report: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def reference(llm: LLM) -> tuple[list[tuple[int, ...]], float | None]:
+def reference(llm: LLM) -> Generated:
     """The tokens from the prefix cache a cycle leaves: only the prompts' full blocks cached."""
     llm.reset_prefix_cache()
     generate(llm, FIRST)
@@ -177,28 +184,34 @@ def main() -> None:
         prior_art=PRIOR_ART,
     )  # fmt: skip
     with build(args, config) as llm:
-        expected, rate = reference(llm)
-        control, control_rate = reference(llm)
-        control_equal = control == expected and control_rate == rate
+        expected = reference(llm)
+        control_equal = reference(llm) == expected
         llm.reset_prefix_cache()  # the same prompts on an empty cache: every block computed
-        cold, _ = generate(llm, GREEDY)
-        recorder.emit(case="control", control_equal=control_equal, cold_equal=cold == expected)
+        cold = generate(llm, GREEDY)
+        recorder.emit(
+            case="control", control_equal=control_equal, cold_equal=cold.tokens == expected.tokens,
+            cached_tokens=expected.cached_tokens, cold_cached_tokens=cold.cached_tokens,
+        )  # fmt: skip
         rows = []
         for index in range(args.cycles):
             row, ranks = cycle(llm, 2 if index % 2 == 0 else 1)
             llm.collective_rpc("verify_guards")  # raises if any rank's guarded address moved
-            tokens, cycle_rate = generate(llm, GREEDY)
+            got = generate(llm, GREEDY)
             row.update(
-                cycle=index, tokens_equal=tokens == expected, acceptance=cycle_rate,
-                acceptance_equal=cycle_rate == rate,
+                cycle=index, tokens_equal=got.tokens == expected.tokens, acceptance=got.rate,
+                acceptance_equal=got.rate == expected.rate, cached_tokens=got.cached_tokens,
+                same_cache=got.cached_tokens == expected.cached_tokens,
             )  # fmt: skip
             rows.append(recorder.emit(case="cycle", **row))
             for rank in ranks:
                 recorder.emit(case="rank", cycle=index, **rank)
     print(table(rows, ["cycle", "level", *PRIOR_ART, "reload_s", "tokens_equal",
                        "acceptance"]))  # fmt: skip
-    if not control_equal:
-        raise SystemExit("two references made the same way differ: the cycles' check means nothing")
+    if not control_equal or not all(r["same_cache"] for r in rows):
+        raise SystemExit(
+            "the reference and the checked generates differ in how they were made (two "
+            "references, or the prefix cache each found): the cycles' check means nothing"
+        )
     if not all(r["tokens_equal"] and r["acceptance_equal"] for r in rows):
         raise SystemExit("a cycle changed the tokens or the acceptance rate")
 

@@ -128,11 +128,8 @@ class MemoryManager:
             return tag_states(self._table.pools)
 
     def is_sleeping(self, tag: str | None = None) -> bool:
-        """Whether ``tag`` (or, with None, any tag) is not AWAKE (some allocation is not
-        mapped): asleep, or in between. Read without the manager's lock, each allocation's state
-        once, so that it is cheap enough to guard every write (a refit asks per bucket): a sleep
-        on another thread meanwhile may or may not be seen, as it may not be a moment after a
-        locked read either."""
+        """Whether ``tag`` (or, with None, any tag) is not AWAKE. Lock-free, cheap enough for
+        every refit bucket: a sleep on another thread meanwhile may not be seen, as after a lock."""
         pools = self._table.pools
         names = list(pools) if tag is None else self._check_tags([tag])
         return any(a.state is not State.MAPPED for t in names for a in pools[t].allocations)

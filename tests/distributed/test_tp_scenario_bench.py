@@ -1,6 +1,8 @@
 """``benchmarks/tp_scenario.py`` (issue 20's scenario) runs on the CPU at TP=2 over gloo: a MoE
 with self-speculation through two cycles (levels 2 and 1), the tokens and the acceptance rate
-unchanged (a moved guarded address would raise), and one row per rank and cycle."""
+unchanged (a moved guarded address would raise), every checked generate made on the prefix
+cache a cycle leaves (a reference made on an empty cache compared other prefills on the GPU, in
+bf16: 2026-12-06b run 1), and one row per rank and cycle."""
 
 from __future__ import annotations
 
@@ -21,9 +23,13 @@ def test_the_tp_scenario_runs_at_tp2_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
     assert setup["tp"] == 2 and setup["architecture"] == "Qwen3MoeForCausalLM"
     control = next(row for row in rows if row["case"] == "control")
     assert control["control_equal"] and control["cold_equal"]  # fp32 on the CPU: hits = misses
+    # Every checked generate ran on the cache a cycle leaves, the reference's too (the prompts'
+    # full blocks, cached by the one-token first decode); an empty cache holds none.
+    assert control["cached_tokens"] > 0 and control["cold_cached_tokens"] == 0
     cycles = [row for row in rows if row["case"] == "cycle"]
     assert [c["level"] for c in cycles] == [2, 1]
     assert all(c["tokens_equal"] and c["acceptance"] == 1.0 for c in cycles)
+    assert all(c["cached_tokens"] == control["cached_tokens"] and c["same_cache"] for c in cycles)
     assert cycles[0]["reload_s"] is not None and cycles[1]["reload_s"] is None
     ranks = [row for row in rows if row["case"] == "rank"]
     assert sorted((r["cycle"], r["rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
