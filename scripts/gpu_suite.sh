@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU suite: the GPU tests and the benchmarks, in one command, on a CUDA machine.
 #
-#   scripts/gpu_suite.sh [tests|bench|demo|memory|rollout|multi|pending|all] [test paths or pytest args...]
+#   scripts/gpu_suite.sh [tests|bench|demo|memory|rollout|multi|mps|pending|all] [test paths or pytest args...]
 #   (default: all; "memory" runs the memory layer's probes of issue 17, not part of "all";
 #   "rollout" runs benchmarks/rollout.py, issue 16's GRPO-shaped rollout, < 8 min, nor that;
 #   "multi" runs issue 20's multi-GPU runs on a machine of 2+ GPUs, not part of "all": the TP
 #   GPU test, benchmarks/tp_scenario.py with the communicator kept and suspended (suspend needs
 #   NCCL >= 2.29.7 and is refused with a typed error before it), benchmarks/update_group.py;
 #   "pending" runs what was built on the CPU and waits for its first GPU run, < 8 min:
-#   the session note lists it)
+#   the session note lists it; "mps" runs issue 13's IPC refit with and without MPS, and the
+#   memory, graph and IPC GPU tests and the demo under it, < 8 min)
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
 # (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
@@ -75,6 +76,27 @@ if [[ $stage == memory ]]; then  # the memory layer's probes (issue 17), ~12 min
     python3 benchmarks/$probe.py $extra --out "$OUT/$probe.jsonl" 2>&1 | tee "$OUT/$probe.log"
     status=$((status | PIPESTATUS[0]))
   done
+fi
+if [[ $stage == mps ]]; then  # issue 13: the trainer's and the engine's processes in one context
+  refit=(benchmarks/refit.py --bucket-mib 512 --repeats 3 --modes new,reuse)
+  for round in 1 2; do  # alternating, so the host's drift falls on both
+    python3 "${refit[@]}" --out "$OUT/refit-plain.jsonl" >>"$OUT/refit-plain.log" 2>&1
+    status=$((status | $?))
+    scripts/with_mps.sh python3 "${refit[@]}" --out "$OUT/refit-mps.jsonl" >>"$OUT/refit-mps.log" 2>&1
+    status=$((status | $?))
+  done
+  gap=(benchmarks/ipc_idle_gap.py --gaps-us 1000)
+  python3 "${gap[@]}" --out "$OUT/idle-gap-plain.jsonl" >"$OUT/idle-gap-plain.log" 2>&1
+  status=$((status | $?))
+  scripts/with_mps.sh python3 "${gap[@]}" --out "$OUT/idle-gap-mps.jsonl" >"$OUT/idle-gap-mps.log" 2>&1
+  status=$((status | $?))
+  scripts/with_mps.sh python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_cuda_memory.py \
+    tests/gpu/test_ipc_refit_gpu.py tests/gpu/test_ipc_reuse_gpu.py tests/gpu/test_ipc_release_gpu.py \
+    tests/gpu/test_engine_graphs.py 2>&1 | tee "$OUT/mps-gpu-tests.log"
+  status=$((status | PIPESTATUS[0]))
+  scripts/with_mps.sh python3 -m dormant.cli demo 2>&1 | tee "$OUT/mps-demo.log"
+  status=$((status | PIPESTATUS[0]))
+  tail -n 3 "$OUT"/refit-*.log "$OUT"/idle-gap-*.log
 fi
 if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 6 min
   # The twentieth session's, for an H200 (it was lent only H100s): issue 16's overlap probe with

@@ -1,0 +1,56 @@
+"""``scripts/with_mps.sh`` on the CPU, with a stand-in ``nvidia-cuda-mps-control`` on PATH: the
+command runs with the daemon's private pipe and log folders in its environment, its exit status
+comes back, and the daemon is told to quit; without the control binary the script refuses with
+a clear message and runs nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "with_mps.sh"
+BASH, TOUCH = shutil.which("bash") or "/bin/bash", shutil.which("touch") or "/usr/bin/touch"
+# The stand-in daemon: "-d" starts it (it logs a server start as the real one does once a client
+# connects); "quit" on stdin is recorded beside the script.
+STAND_IN = """#!/bin/bash
+if [[ ${1:-} == -d ]]; then
+  echo "Starting new server 1 for user 0" > "$CUDA_MPS_LOG_DIRECTORY/control.log"
+  echo "NEW CLIENT 2 from user 0" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
+  exit 0
+fi
+read -r line && echo "$line" >> "$(dirname "$0")/received"
+"""
+
+
+def run(path: str, *command: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": path}
+    return subprocess.run(
+        [BASH, str(SCRIPT), *command], env=env, capture_output=True, text=True, check=False
+    )
+
+
+def test_the_command_runs_under_the_daemon_and_its_status_comes_back(tmp_path: Path) -> None:
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(STAND_IN)
+    control.chmod(0o755)
+    seen = tmp_path / "seen"
+    result = run(
+        f"{tmp_path}:{os.environ['PATH']}",
+        "bash", "-c", f'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" > {seen}; exit 7',
+    )  # fmt: skip
+    assert result.returncode == 7
+    pipe, log = seen.read_text().split()
+    assert pipe.startswith("/tmp/dormant-mps.") and log.startswith("/tmp/dormant-mps.")
+    assert not Path(pipe).exists()  # the private folders are removed after the quit
+    assert (tmp_path / "received").read_text() == "quit\n"
+    assert "exit status 7; MPS servers started: 1; clients: 1" in result.stderr
+
+
+def test_without_the_control_binary_nothing_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    result = run(str(tmp_path), TOUCH, str(marker))  # a PATH with no control binary on it
+    assert result.returncode == 3
+    assert "nvidia-cuda-mps-control is not on this machine" in result.stderr
+    assert not marker.exists()
