@@ -7,7 +7,7 @@
 #   "multi" runs issue 20's multi-GPU runs on a machine of 2+ GPUs, not part of "all": the TP
 #   GPU test, benchmarks/tp_scenario.py with the communicator kept and suspended (suspend needs
 #   NCCL >= 2.29.7 and is refused with a typed error before it), benchmarks/update_group.py;
-#   "pending" runs what was built on the CPU and waits for its first GPU run, < 8 min:
+#   "pending" runs what was built on the CPU and waits for its first GPU run, < 10 min:
 #   the session note lists it; "mps" runs issue 13's IPC refit with and without MPS, and the
 #   memory, graph and IPC GPU tests and the demo under it, < 8 min)
 #
@@ -98,10 +98,10 @@ if [[ $stage == mps ]]; then  # issue 13: the trainer's and the engine's process
   status=$((status | PIPESTATUS[0]))
   tail -n 3 "$OUT"/refit-*.log "$OUT"/idle-gap-*.log
 fi
-if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 6 min
-  # The twentieth session's, for an H200 (it was lent only H100s): issue 16's overlap probe with
-  # the GEMMs' SM carveouts, and issue 13's refit.py at 512 MiB with this receiver.
-  RUN=pending bash benchmarks/results/2026-12-06b-pending.sh 2>&1 | tee "$OUT/pending.log"
+if [[ $stage == pending ]]; then  # built on the CPU since the last call, < 10 min
+  # The twenty-first session's, for an H200 (it got none): issue 16's overlap probe with the
+  # GEMMs' SM carveouts and the caching-off rollout, issue 13's refit.py without and with MPS.
+  RUN=pending bash benchmarks/results/2026-12-06c-pending.sh 2>&1 | tee "$OUT/pending.log"
   status=$((status | PIPESTATUS[0]))
 fi
 # The device tool brings back at most 8 files: more are packed into one archive.
