@@ -92,7 +92,7 @@ if [[ $stage == mps ]]; then  # issue 13: the trainer's and the engine's process
   status=$((status | $?))
   scripts/with_mps.sh python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_cuda_memory.py \
     tests/gpu/test_ipc_refit_gpu.py tests/gpu/test_ipc_reuse_gpu.py tests/gpu/test_ipc_release_gpu.py \
-    tests/gpu/test_engine_graphs.py 2>&1 | tee "$OUT/mps-gpu-tests.log"
+    tests/gpu/test_engine_graphs.py tests/gpu/test_release_context_mps.py 2>&1 | tee "$OUT/mps-gpu-tests.log"
   status=$((status | PIPESTATUS[0]))
   scripts/with_mps.sh python3 -m dormant.cli demo 2>&1 | tee "$OUT/mps-demo.log"
   status=$((status | PIPESTATUS[0]))

@@ -79,7 +79,10 @@ def fake_driver(
     monkeypatch.setenv("LD_LIBRARY_PATH", str(fake_libraries[0]))
     log = tmp_path / "fake_cuda.log"
     monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
-    for key in ("CUDA_FAIL", "CUDA_HANG", "CUDA_EXIT", "CUDA_VERSION", "NVML_PROCESS", "NVML_USED"):
+    for key in (
+        "CUDA_FAIL", "CUDA_HANG", "CUDA_EXIT", "CUDA_VERSION", "NVML_PROCESS", "NVML_USED",
+        "NVML_MPS_CLIENT",
+    ):  # fmt: skip
         monkeypatch.delenv(f"FAKE_{key}", raising=False)
     yield FakeDriver(log, monkeypatch)
 

@@ -1,7 +1,7 @@
 """The manager's side of releasing this process's CUDA state (``process_checkpoint.py``).
 
-    release: refuse (NCCL communicators; a driver that cannot) ─▶ synchronize ─▶ pause the
-             garbage collector ─▶ lock + checkpoint (helper) ─▶ released
+    release: refuse (NCCL communicators; an MPS client; a driver that cannot) ─▶ synchronize
+             ─▶ pause the garbage collector ─▶ lock + checkpoint (helper) ─▶ released
     while released: every manager call that needs the device raises ContextReleasedError at
              once instead of blocking in the locked driver; frees of tensors that die meanwhile
              wait, and run right after the restore; status() has NVML's figures, read by the
@@ -9,7 +9,10 @@
     restore (wake_up does it first): restore + unlock (helper) ─▶ the collector runs again
              ─▶ the waiting frees run
 
-Refusals come before anything changes. A checkpoint that fails leaves the process unlocked
+Refusals come before anything changes. An MPS client is refused by NVML's list of them (the
+driver's lock answers CUDA_ERROR_NOT_SUPPORTED for one, seen on an H100 with driver 580, once the
+tags were already asleep); behind a PID namespace NVML does not show this process's pid, and the
+lock's typed error is what remains. A checkpoint that fails leaves the process unlocked
 where the driver allows it, and the error says what state it is in. The garbage collector is
 paused while released because a tensor freed by a collection makes a CUDA call (an event record,
 a free), which would block its thread in the locked driver: that thread could be the one that
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -30,6 +34,7 @@ from dormant.memory import nvml
 from dormant.memory.backend import Backend
 from dormant.memory.capture import check_not_capturing
 from dormant.memory.process_checkpoint import (
+    CheckpointUnsupportedError,
     CommunicatorActiveError,
     ContextReleasedError,
     ProcessCheckpoint,
@@ -93,6 +98,14 @@ class ContextRelease:
                 f"this process has NCCL communicators ({groups}); the driver cannot checkpoint "
                 "them safely. Destroy them first (destroy_weights_update_group), or sleep "
                 "without release_context; a tensor-parallel engine cannot release its context."
+            )
+        bus = self._readings.pci_bus_id
+        clients = nvml.mps_clients(bus) if bus is not None else None
+        if clients and os.getpid() in clients:
+            raise CheckpointUnsupportedError(
+                f"process {os.getpid()} runs on the GPU as a client of an MPS server, and the "
+                "driver cannot checkpoint an MPS client; sleep without release_context (the "
+                "engine then keeps its CUDA context), or run the engine without MPS"
             )
         if checkpoint is not None and checkpoint is not self._checkpoint:
             self.close()

@@ -119,14 +119,27 @@ def read(pci_bus_id: str, pid: int) -> Reading:
 
 def compute_processes(pci_bus_id: str) -> dict[int, int] | None:
     """pid → device memory, for every process with a context on the device (None: unknown;
-    a process whose figure NVML withholds is left out)."""
+    a process whose figure NVML withholds is left out). Under MPS the device runs the MPS
+    server's context: its clients are ``mps_clients``."""
+    listed = _processes(pci_bus_id, "nvmlDeviceGetComputeRunningProcesses")
+    if listed is None:
+        return None
+    return {pid: used for pid, used in listed.items() if used is not None}
+
+
+def mps_clients(pci_bus_id: str) -> dict[int, int | None] | None:
+    """pid → device memory (None where NVML withholds it) of every process that runs on the
+    device as a client of an MPS server; empty without one, None when unknown."""
+    return _processes(pci_bus_id, "nvmlDeviceGetMPSComputeRunningProcesses")
+
+
+def _processes(pci_bus_id: str, query_name: str) -> dict[int, int | None] | None:
+    """NVML's ``<query_name>_v3`` (or ``_v2``) list: pid → memory, None where not available."""
     lib = _nvml()
     handle = None if lib is None else _device(lib, pci_bus_id)
     if lib is None or handle is None:
         return None
-    query = getattr(lib, "nvmlDeviceGetComputeRunningProcesses_v3", None) or getattr(
-        lib, "nvmlDeviceGetComputeRunningProcesses_v2", None
-    )
+    query = getattr(lib, f"{query_name}_v3", None) or getattr(lib, f"{query_name}_v2", None)
     if query is None:
         return None
     count = ctypes.c_uint(0)
@@ -135,9 +148,8 @@ def compute_processes(pci_bus_id: str) -> dict[int, int] | None:
         result = query(handle, ctypes.byref(count), infos)
         if result == _NVML_SUCCESS:
             return {
-                int(i.pid): int(i.usedGpuMemory)
+                int(i.pid): None if i.usedGpuMemory == _NOT_AVAILABLE else int(i.usedGpuMemory)
                 for i in infos[: count.value]
-                if i.usedGpuMemory != _NOT_AVAILABLE
             }
         if result != _NVML_ERROR_INSUFFICIENT_SIZE:
             return None

@@ -44,8 +44,8 @@ class ContextReleaseError(MemoryLayerError):
 
 
 class CheckpointUnsupportedError(ContextReleaseError):
-    """The driver cannot checkpoint this process (no libcuda, a driver before 570, no such API);
-    nothing was changed."""
+    """The driver cannot checkpoint this process (no libcuda, a driver before 570, no such API,
+    a client of an MPS server); nothing was changed."""
 
 
 class CommunicatorActiveError(ContextReleaseError):

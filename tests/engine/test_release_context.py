@@ -95,3 +95,22 @@ def test_tensor_parallelism_is_refused() -> None:
     with pytest.raises(CommunicatorActiveError, match="tensor_parallel_size=2"):
         check_release_context(2, tensor_parallel_size=2)
     check_release_context(2, tensor_parallel_size=1)
+
+
+def test_an_mps_client_is_refused_before_anything(make_llm, checkpoint, fake_driver, monkeypatch):
+    """Under MPS the driver cannot checkpoint the engine's process: refused with the reason, the
+    engine awake and its in-flight request kept (on an H100 the lock failed only once the tags
+    slept, 2026-12-06c run 8)."""
+    from dormant.memory import nvml
+
+    llm = make_llm(str(checkpoint), enable_sleep_mode=True)
+    engine = llm.llm_engine
+    monkeypatch.setattr(worker_of(llm).mm.residual, "_pci_bus_id", "00000000:06:00.0")
+    monkeypatch.setattr(nvml, "mps_clients", lambda bus: {os.getpid(): None})
+    engine.add_request(PROMPTS[0], SHORT)
+    with pytest.raises(CheckpointUnsupportedError, match="MPS"):
+        llm.sleep(level=2, release_context=True)
+    assert not llm.is_sleeping() and fake_driver.calls() == []
+    assert engine.has_unfinished_requests()
+    llm.sleep(level=2)  # without release_context it sleeps as ever
+    assert llm.wake_up()

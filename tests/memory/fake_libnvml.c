@@ -2,6 +2,8 @@
  * makes for a process whose CUDA state is locked (dormant/memory/nvml.py's calls only). Built
  * by the tests with gcc, next to the fake libcuda. Environment:
  *   FAKE_NVML_PROCESS=pid:bytes   the one process the device runs (none when unset)
+ *   FAKE_NVML_MPS_CLIENT=pid      the one MPS client it runs, its memory not available (none
+ *                                 when unset)
  *   FAKE_NVML_USED=bytes          the device's memory in use (default 1 GiB; total 141 GB)
  *   FAKE_CUDA_LOG=path            appends "nvml <caller's pid>" per process query
  */
@@ -47,6 +49,20 @@ int nvmlDeviceGetComputeRunningProcesses_v3(void *handle, unsigned int *count, P
         char *end;
         infos[0].pid = (unsigned int)strtoul(process, &end, 10);
         infos[0].used = strtoull(end + 1, NULL, 10);
+        infos[0].gi = infos[0].ci = 0;
+    }
+    return SUCCESS;
+}
+
+int nvmlDeviceGetMPSComputeRunningProcesses_v3(void *handle, unsigned int *count, ProcessInfo *infos) {
+    (void)handle;
+    const char *client = getenv("FAKE_NVML_MPS_CLIENT");
+    unsigned int n = client ? 1 : 0;
+    if (*count < n) { *count = n; return INSUFFICIENT_SIZE; }
+    *count = n;
+    if (n) {
+        infos[0].pid = (unsigned int)strtoul(client, NULL, 10);
+        infos[0].used = ~0ULL; /* NVML_VALUE_NOT_AVAILABLE */
         infos[0].gi = infos[0].ci = 0;
     }
     return SUCCESS;

@@ -247,3 +247,44 @@ def test_memory_is_unknown_without_nvml_or_a_helper(tmp_path, monkeypatch, check
     monkeypatch.setattr(pc, "HELPER", tmp_path / "missing_helper.py")  # it dies at once
     checkpoint.close()
     assert checkpoint.memory("00000000:06:00.0") == nvml.UNKNOWN
+
+
+def test_nvml_lists_mps_clients(fake_libraries, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML's list of MPS clients, read through the fake: the client's pid, its memory not
+    available; an empty list without one (and the compute list keeps leaving out a process
+    whose figure NVML withholds)."""
+    import ctypes
+
+    from dormant.memory import nvml
+
+    monkeypatch.setattr(
+        nvml, "_library", [ctypes.CDLL(str(fake_libraries[0] / "libnvidia-ml.so.1"))]
+    )
+    monkeypatch.delenv("FAKE_NVML_MPS_CLIENT", raising=False)
+    monkeypatch.delenv("FAKE_NVML_PROCESS", raising=False)
+    assert nvml.mps_clients("00000000:06:00.0") == {}
+    monkeypatch.setenv("FAKE_NVML_MPS_CLIENT", "4242")
+    monkeypatch.setenv("FAKE_NVML_PROCESS", "17:1048576")
+    assert nvml.mps_clients("00000000:06:00.0") == {4242: None}
+    assert nvml.compute_processes("00000000:06:00.0") == {17: MiB}
+
+
+def test_an_mps_client_is_refused_before_anything_changes(fake_driver, monkeypatch) -> None:
+    """The driver cannot checkpoint an MPS client (its lock answered CUDA_ERROR_NOT_SUPPORTED on
+    an H100, driver 580, after the tags had slept): NVML's list of them refuses it first."""
+    from dormant.memory import nvml
+
+    mm = MemoryManager("host")
+    monkeypatch.setattr(mm.residual, "_pci_bus_id", "00000000:06:00.0")  # a CUDA manager's
+    monkeypatch.setattr(nvml, "mps_clients", lambda bus: {os.getpid(): None})
+    try:
+        tensor = mm.empty((MiB,), torch.uint8, "weights")
+        for call in (mm.context.check, mm.context.release):
+            with pytest.raises(CheckpointUnsupportedError, match="MPS"):
+                call()
+        assert not mm.context.is_released and fake_driver.calls() == []
+        monkeypatch.setattr(nvml, "mps_clients", lambda bus: {os.getpid() + 1: None})
+        mm.context.check()  # another process's client: this one can be checkpointed
+    finally:
+        mm.close()
+    del tensor
