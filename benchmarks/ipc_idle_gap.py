@@ -26,9 +26,11 @@ each call less its bucket's copy (that bucket's device time, CUDA events around 
 copies, in calls timed apart): the host's part. If "sleep" calls cost far more than "none" and
 "spin" ones, the host's state after a blocking wait is what a bucket pays; if "touch" and "pack"
 calls cost far more than "ping" ones, it is the GPU's switch from another process's work.
+``--prods``: each call first submits a little work to the GPU (``PRODS``: an event record or a
+one-byte memset), so that a switch it causes runs beside the receiver's host work.
 
     python benchmarks/ipc_idle_gap.py [--rounds 3] [--gaps-us 200,1000] [--out gap.jsonl]
-        [--bucket-mib 512]
+        [--bucket-mib 512] [--prods none,event,memset]
     python benchmarks/ipc_idle_gap.py --tiny   (a tiny model on the CPU: checks the script runs)
 """
 
@@ -61,6 +63,9 @@ from dormant.worker.ipc_weights import (
 )
 
 SENDERS = ("new", "held")
+# Work submitted to the GPU first thing in a call, before the receiver's host work: if the GPU
+# switches to this process's context on any submission, the switch then runs beside that work.
+PRODS = ("none", "event", "memset")
 PIPE_GAPS = ("ping", "touch", "pack")  # gaps the sender answers, after that work on the device
 
 
@@ -120,18 +125,33 @@ def idle(conn: Connection, gap: str, microseconds: int) -> None:
 
 
 def timed_calls(
-    receiver: IpcReceiver, model: CausalLM, entries: list, wait: Callable[[], None]
+    receiver: IpcReceiver,
+    model: CausalLM,
+    entries: list,
+    wait: Callable[[], None],
+    prod: Callable[[], object] = lambda: None,
 ) -> list[float]:
-    """Each entry's ``update_weights_from_tensor`` wall time, ``wait()`` before each; then the
-    refit is ended (``release``), as the worker ends it."""
+    """Each entry's ``update_weights_from_tensor`` wall time, ``wait()`` before each and
+    ``prod()`` first inside it (``PRODS``); then the refit is ended (``release``), as the worker
+    ends it."""
     times = []
     for entry in entries:
         wait()
         start = time.perf_counter()
+        prod()
         receiver.update_weights_from_tensor(model, [entry], load_format=FLATTENED_BUCKET)
         times.append(time.perf_counter() - start)
     receiver.release()
     return times
+
+
+def prod_calls(device: torch.device) -> dict[str, Callable[[], object]]:
+    """Each of ``PRODS`` as a call: an event recorded on the current stream, or one byte set."""
+    if device.type != "cuda":
+        return dict.fromkeys(PRODS, lambda: None)
+    event, byte = torch.cuda.Event(), torch.zeros(1, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device)
+    return {"none": lambda: None, "event": lambda: event.record(stream), "memset": byte.zero_}
 
 
 def copy_seconds(receiver: IpcReceiver, model: CausalLM, entries: list) -> list[float]:
@@ -158,6 +178,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every (sender, gap)")
     parser.add_argument("--gaps-us", default="200,1000", help="idle gaps, microseconds")
     parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--prods", default="none", help=f"comma-separated, of {PRODS}")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -169,6 +190,9 @@ def main() -> None:
         parser.error(f"--gaps-us must be positive; got {args.gaps_us!r}")
     gaps = [("none", 0)] + [(kind, us) for us in gaps_us for kind in ("sleep", "spin")]
     gaps += [(kind, 0) for kind in PIPE_GAPS]
+    prods = args.prods.split(",")
+    if unknown := set(prods) - set(PRODS):
+        parser.error(f"unknown --prods {sorted(unknown)}; choose from {list(PRODS)}")
     device = torch.device("cpu" if args.tiny else "cuda")
     model = build(ModelConfig.from_dict(TINY if args.tiny else QWEN3_8B_LIKE), device)
     shapes = {n: tuple(s) for n, s in model.expected_weight_shapes().items()}
@@ -193,23 +217,27 @@ def main() -> None:
         timed_calls(receiver, model, shares(sender), lambda: None)
     on_gpu = device.type == "cuda"
     copies = {s: copy_seconds(receiver, model, shares(s)) for s in SENDERS} if on_gpu else {}
-    calls: dict[tuple[str, str, int], list[float]] = {}
-    hosts: dict[tuple[str, str, int], list[float]] = {}
+    submit = prod_calls(device)
+    calls: dict[tuple[str, str, int, str], list[float]] = {}
+    hosts: dict[tuple[str, str, int, str], list[float]] = {}
     for _ in range(args.rounds):
-        for sender in SENDERS:
-            for gap, us in gaps:
-                times = timed_calls(receiver, model, shares(sender), partial(idle, conn, gap, us))
-                calls.setdefault((sender, gap, us), []).extend(times)
-                if copies:  # each call less its own bucket's copy
-                    copy = copies[sender]
-                    host = [t - copy[i % len(copy)] for i, t in enumerate(times)]
-                    hosts.setdefault((sender, gap, us), []).extend(host)
+        for prod in prods:
+            for sender in SENDERS:
+                for gap, us in gaps:
+                    wait = partial(idle, conn, gap, us)
+                    times = timed_calls(receiver, model, shares(sender), wait, submit[prod])
+                    key = (sender, gap, us, prod)
+                    calls.setdefault(key, []).extend(times)
+                    if copies:  # each call less its own bucket's copy
+                        copy = copies[sender]
+                        host = [t - copy[i % len(copy)] for i, t in enumerate(times)]
+                        hosts.setdefault(key, []).extend(host)
     conn.send("stop")
     process.join()
     for key, times in calls.items():
-        sender, gap, us = key
+        sender, gap, us, prod = key
         recorder.emit(
-            case="ipc idle gap", sender=sender, gap=gap, gap_us=us, calls=len(times),
+            case="ipc idle gap", sender=sender, gap=gap, gap_us=us, prod=prod, calls=len(times),
             call_us=statistics.median(times) * 1e6,
             copy_us=statistics.median(copies[sender]) * 1e6 if copies else None,
             host_us=statistics.median(hosts[key]) * 1e6 if copies else None,

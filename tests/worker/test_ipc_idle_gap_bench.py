@@ -1,5 +1,6 @@
-"""``benchmarks/ipc_idle_gap.py`` runs on the CPU (``--tiny``): every (sender, gap) is timed,
-and a gap that is not a positive number of microseconds is refused before anything runs."""
+"""``benchmarks/ipc_idle_gap.py`` runs on the CPU (``--tiny``): every (sender, gap, prod) is
+timed, and a gap that is not a positive number of microseconds, or an unknown prod, is refused
+before anything runs."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ def run(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: s
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
 
 
-def test_every_sender_and_gap_is_timed(monkeypatch, capsys) -> None:
-    rows = run(monkeypatch, capsys, "--gaps-us", "50")
-    timed = {(r["sender"], r["gap"], r["gap_us"]) for r in rows if r["case"] == "ipc idle gap"}
+def test_every_sender_gap_and_prod_is_timed(monkeypatch, capsys) -> None:
+    rows = run(monkeypatch, capsys, "--gaps-us", "50", "--prods", "none,event")
+    timed = {
+        (r["sender"], r["gap"], r["gap_us"], r["prod"]) for r in rows if r["case"] == "ipc idle gap"
+    }
     assert timed == {
-        (sender, gap, us)
+        (sender, gap, us, prod)
+        for prod in ("none", "event")
         for sender in ("new", "held")
         for gap, us in (
             ("none", 0),
@@ -40,3 +44,9 @@ def test_a_bad_gap_is_refused(monkeypatch, capsys, gaps: str) -> None:
     with pytest.raises(SystemExit):
         run(monkeypatch, capsys, "--gaps-us", gaps)
     assert "--gaps-us" in capsys.readouterr().err
+
+
+def test_an_unknown_prod_is_refused(monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit):
+        run(monkeypatch, capsys, "--prods", "none,kick")
+    assert "kick" in capsys.readouterr().err
