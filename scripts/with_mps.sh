@@ -19,8 +19,17 @@ export CUDA_MPS_PIPE_DIRECTORY=$dir/pipe CUDA_MPS_LOG_DIRECTORY=$dir/log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 "$control" -d || exit 3
 trap 'echo quit | "$control"; rm -rf "$dir"' EXIT
-"$@"
+# The command runs as a child this shell waits for, so that a TERM or INT sent to the shell (by
+# `timeout`, say) reaches it too, and the daemon is still told to quit once it has exited.
+"$@" <&0 &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+wait "$child"
 status=$?
+while kill -0 "$child" 2>/dev/null; do  # the wait was cut short by a signal: wait for the exit
+  wait "$child"
+  status=$?
+done
 log=$CUDA_MPS_LOG_DIRECTORY/control.log
 echo "with_mps: exit status $status; MPS servers started: $(grep -c "Starting new server" "$log");" \
   "clients: $(grep -c "NEW CLIENT" "$log")" >&2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "with_mps.sh"
@@ -54,3 +55,24 @@ def test_without_the_control_binary_nothing_runs(tmp_path: Path) -> None:
     assert result.returncode == 3
     assert "nvidia-cuda-mps-control is not on this machine" in result.stderr
     assert not marker.exists()
+
+
+def test_a_signal_to_the_script_stops_the_command_and_the_daemon_quits(tmp_path: Path) -> None:
+    """TERM sent to the script alone (not to its process group, as ``timeout`` sends it) reaches
+    the command too: it must not run on orphaned (it would write the marker after 3 s), and the
+    daemon is told to quit."""
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text(STAND_IN)
+    control.chmod(0o755)
+    marker = tmp_path / "finished"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    script = subprocess.Popen(
+        [BASH, str(SCRIPT), BASH, "-c", f"sleep 3; touch {marker}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(1.0)
+    script.terminate()
+    assert script.wait(timeout=20) != 0
+    assert (tmp_path / "received").read_text() == "quit\n"
+    time.sleep(3.0)
+    assert not marker.exists(), "the command ran on after the script was stopped"
