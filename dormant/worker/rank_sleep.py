@@ -73,8 +73,8 @@ class RankSleep:
     def check_release_context(self) -> None:
         """Raises, changing nothing, if this rank cannot release its process's CUDA context:
         NCCL communicators (a tensor-parallel rank, a weight-update group over NCCL:
-        CommunicatorActiveError), a driver without the checkpoint API
-        (CheckpointUnsupportedError)."""
+        CommunicatorActiveError), a driver without the checkpoint API or a process that is an
+        MPS client (CheckpointUnsupportedError)."""
         if self.world_size > 1:
             raise CommunicatorActiveError(
                 f"rank {self.rank} of {self.world_size}: a tensor-parallel engine's NCCL "
