@@ -61,7 +61,6 @@ from safetensors.torch import load_file
 
 from dormant.engine.async_llm import AsyncLLM
 from dormant.executors.multiproc import free_port
-from dormant.server import ServerSettings, ServerThread, build_app
 from tests.engine.conftest import write_checkpoint
 
 GROUP = "slime-pp_0"  # distributed.py L81: f"slime-pp_{pp_rank}"
@@ -85,6 +84,11 @@ class Server:
     """dormant's server over an AsyncLLM, on 127.0.0.1 and a free port."""
 
     def __init__(self, model: Path, device: str) -> None:
+        # Imported here, so that the module is collected where the server's packages (the test
+        # extra) are missing, as on a bare GPU machine: the tests skip there.
+        pytest.importorskip("uvicorn", reason="the server's packages are in the test extra")
+        from dormant.server import ServerSettings, ServerThread, build_app
+
         self.engine = AsyncLLM(str(model), enable_sleep_mode=True, device=device, **OPTIONS)
         settings = ServerSettings(served_model_names=("tiny",), port=0)
         self.thread = ServerThread(build_app(self.engine, settings), settings).start()
