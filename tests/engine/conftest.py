@@ -114,10 +114,15 @@ def device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def make_llm(device: str) -> Iterator[Callable[..., LLM]]:
-    """Builds engines on ``device``; shuts them down after the test (one per GPU at a time)."""
+    """Builds engines on ``device``; shuts them down after the test. One per GPU at a time (a
+    process holds one MemoryManager per device): on CUDA, making an engine first shuts down
+    the ones made before it, so a test compares against an engine it has finished with."""
     engines: list[LLM] = []
 
     def make(model: object, **options: object) -> LLM:
+        if device == "cuda":
+            for earlier in engines:
+                earlier.shutdown()
         defaults = dict(
             device=device, max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20, seed=0
         )

@@ -187,7 +187,8 @@ def test_a_refit_between_steps_tags_the_drained_tokens_with_the_old_weights(
     llm = make_llm(str(checkpoint))
     engine = llm.llm_engine
     before = engine.refits.weight_version
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    # Long enough for tokens after the drain where a call is a fused 4-step graph (on a GPU).
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     engine.step()  # the prefill
     engine.step()  # a decode, the next queued behind it
     assert engine.num_calls_in_flight == 1
@@ -197,7 +198,7 @@ def test_a_refit_between_steps_tags_the_drained_tokens_with_the_old_weights(
     while engine.has_unfinished_requests():
         outputs += engine.step()
     (output,) = outputs
-    assert len(output.outputs[0].token_ids) == 6
+    assert len(output.outputs[0].token_ids) == 16
     # The drained call's tokens were applied before the refit: tagged with the old weights.
     assert output.weight_versions == [before, "v2"]
     assert before != "v2"
