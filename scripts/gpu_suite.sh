@@ -17,7 +17,11 @@
 # tests/server" (the second, less tests/engine and tests/frameworks, took 4 minutes).
 #
 # Logs and raw JSON go to $OUT (default ./out). Wheels for packages the machine lacks
-# (torch_memory_saver for the benchmark) are installed offline from .whl/ when present.
+# (torch_memory_saver for the benchmark) are installed offline from .whl/ when present. The GPU
+# machine's image has none of the server's packages, so tests/server is left out there unless
+# they travel too (run 5 of 2026-12-06d): fastapi starlette pydantic pydantic_core uvicorn
+# annotated_types typing_inspection opentelemetry-api typing_extensions, at the versions
+# installed here, fetched with the device README's `pip download` line for Python 3.12.
 set -uo pipefail
 stage=${1:-all}
 shift || true
