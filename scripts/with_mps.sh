@@ -15,15 +15,16 @@ control=$(command -v nvidia-cuda-mps-control) || {
   exit 3
 }
 dir=$(mktemp -d /tmp/dormant-mps.XXXXXX)
+trap 'rm -rf "$dir"' EXIT
 export CUDA_MPS_PIPE_DIRECTORY=$dir/pipe CUDA_MPS_LOG_DIRECTORY=$dir/log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 "$control" -d || exit 3
 trap 'echo quit | "$control"; rm -rf "$dir"' EXIT
-# The command runs as a child this shell waits for, so that a TERM or INT sent to the shell (by
-# `timeout`, say) reaches it too, and the daemon is still told to quit once it has exited.
+# The command runs as a child this shell waits for, so that a TERM, INT, HUP or QUIT sent to the
+# shell (by `timeout`, say) reaches it too, and the daemon is still told to quit once it exited.
 "$@" <&0 &
 child=$!
-trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT HUP QUIT
 wait "$child"
 status=$?
 while kill -0 "$child" 2>/dev/null; do  # the wait was cut short by a signal: wait for the exit

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "with_mps.sh"
 BASH, TOUCH = shutil.which("bash") or "/bin/bash", shutil.which("touch") or "/usr/bin/touch"
@@ -57,10 +60,25 @@ def test_without_the_control_binary_nothing_runs(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_a_signal_to_the_script_stops_the_command_and_the_daemon_quits(tmp_path: Path) -> None:
-    """TERM sent to the script alone (not to its process group, as ``timeout`` sends it) reaches
-    the command too: it must not run on orphaned (it would write the marker after 3 s), and the
-    daemon is told to quit."""
+def test_a_daemon_that_fails_to_start_leaves_nothing_behind(tmp_path: Path) -> None:
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/bash\nexit 1\n")
+    control.chmod(0o755)
+    marker = tmp_path / "ran"
+    before = set(Path("/tmp").glob("dormant-mps.*"))
+    result = run(f"{tmp_path}:{os.environ['PATH']}", TOUCH, str(marker))
+    assert result.returncode == 3
+    assert not marker.exists()
+    assert set(Path("/tmp").glob("dormant-mps.*")) == before  # its folders were removed
+
+
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_a_signal_to_the_script_stops_the_command_and_the_daemon_quits(
+    tmp_path: Path, sent: signal.Signals
+) -> None:
+    """A signal sent to the script alone (not to its process group, as ``timeout`` sends it)
+    reaches the command too: it must not run on orphaned (it would write the marker after 3 s),
+    and the daemon is told to quit."""
     control = tmp_path / "nvidia-cuda-mps-control"
     control.write_text(STAND_IN)
     control.chmod(0o755)
@@ -71,7 +89,7 @@ def test_a_signal_to_the_script_stops_the_command_and_the_daemon_quits(tmp_path:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     time.sleep(1.0)
-    script.terminate()
+    script.send_signal(sent)
     assert script.wait(timeout=20) != 0
     assert (tmp_path / "received").read_text() == "quit\n"
     time.sleep(3.0)
