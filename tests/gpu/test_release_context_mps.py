@@ -59,9 +59,11 @@ def test_the_check_runs_under_a_private_mps_daemon() -> None:
         pytest.skip("nvidia-cuda-mps-control is not on this machine")
     test = f"{Path(__file__).relative_to(ROOT)}::test_release_context_is_refused_under_mps"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", test]
+    # `timeout` sends TERM, which the script passes on before it quits the daemon; a SIGKILL
+    # (subprocess.run's own timeout, the backstop) would leave both running.
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "with_mps.sh"), *command],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        ["timeout", "300", "bash", str(ROOT / "scripts" / "with_mps.sh"), *command],
+        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
     )  # fmt: skip
     report = result.stdout[-3000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
