@@ -12,11 +12,13 @@
 Refusals come before anything changes. An MPS client is refused by NVML's list of them (the
 driver's lock answers CUDA_ERROR_NOT_SUPPORTED for one, seen on an H100 with driver 580, once the
 tags were already asleep); behind a PID namespace NVML does not show this process's pid, and the
-lock's typed error is what remains. A checkpoint that fails leaves the process unlocked
-where the driver allows it, and the error says what state it is in. The garbage collector is
-paused while released because a tensor freed by a collection makes a CUDA call (an event record,
-a free), which would block its thread in the locked driver: that thread could be the one that
-must call wake. (Collecting first instead costs a full collection, 0.4 s in a test process.)
+lock's typed error is what remains. A listed pid equal to this process's counts only where this
+process can reach an MPS pipe folder, as every client must: otherwise it is another namespace's.
+A checkpoint that fails leaves the process unlocked where the driver allows it, and the error
+says what state it is in. The garbage collector is paused while released because a tensor freed
+by a collection makes a CUDA call (an event record, a free), which would block its thread in the
+locked driver: that thread could be the one that must call wake. (Collecting first instead costs
+a full collection, 0.4 s in a test process.)
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class ContextRelease:
                 "without release_context; a tensor-parallel engine cannot release its context."
             )
         bus = self._readings.pci_bus_id
-        clients = nvml.mps_clients(bus) if bus is not None else None
+        clients = nvml.mps_clients(bus) if bus is not None and reaches_mps_pipe() else None
         if clients and os.getpid() in clients:
             raise CheckpointUnsupportedError(
                 f"process {os.getpid()} runs on the GPU as a client of an MPS server, and the "
@@ -195,3 +197,12 @@ def _restore_at_exit(ref: weakref.ref[ContextRelease]) -> None:
     context = ref()
     if context is not None and context.is_released:
         context.restore()
+
+
+MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"  # the pipe folder when CUDA_MPS_PIPE_DIRECTORY is unset
+
+
+def reaches_mps_pipe() -> bool:
+    """Whether this process could be an MPS client at all: a client reaches its control daemon
+    through the pipe folder, ``CUDA_MPS_PIPE_DIRECTORY`` or the default."""
+    return bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or os.path.isdir(MPS_DEFAULT_PIPE)

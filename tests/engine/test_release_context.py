@@ -107,6 +107,7 @@ def test_an_mps_client_is_refused_before_anything(make_llm, checkpoint, fake_dri
     engine = llm.llm_engine
     monkeypatch.setattr(worker_of(llm).mm.residual, "_pci_bus_id", "00000000:06:00.0")
     monkeypatch.setattr(nvml, "mps_clients", lambda bus: {os.getpid(): None})
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/a-pipe")  # as a client's
     engine.add_request(PROMPTS[0], SHORT)
     with pytest.raises(CheckpointUnsupportedError, match="MPS"):
         llm.sleep(level=2, release_context=True)

@@ -277,6 +277,7 @@ def test_an_mps_client_is_refused_before_anything_changes(fake_driver, monkeypat
     mm = MemoryManager("host")
     monkeypatch.setattr(mm.residual, "_pci_bus_id", "00000000:06:00.0")  # a CUDA manager's
     monkeypatch.setattr(nvml, "mps_clients", lambda bus: {os.getpid(): None})
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/a-pipe")  # as a client's
     try:
         tensor = mm.empty((MiB,), torch.uint8, "weights")
         for call in (mm.context.check, mm.context.release):
@@ -288,3 +289,24 @@ def test_an_mps_client_is_refused_before_anything_changes(fake_driver, monkeypat
     finally:
         mm.close()
     del tensor
+
+
+def test_a_listed_pid_is_not_this_process_where_no_mps_pipe_is_reachable(
+    fake_driver, monkeypatch, tmp_path
+) -> None:
+    """Behind a PID namespace, NVML's client pids are the host's: one can equal this process's
+    pid. A process that reaches no MPS pipe folder cannot be a client, so it is not refused."""
+    from dormant.memory import context_release, nvml
+
+    mm = MemoryManager("host")
+    monkeypatch.setattr(mm.residual, "_pci_bus_id", "00000000:06:00.0")
+    monkeypatch.setattr(nvml, "mps_clients", lambda bus: {os.getpid(): None})
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(context_release, "MPS_DEFAULT_PIPE", str(tmp_path / "none"))
+    try:
+        mm.context.check()  # not refused: the driver's checkpoint is probed instead
+        (tmp_path / "none").mkdir()  # the default pipe folder: a client may use it
+        with pytest.raises(CheckpointUnsupportedError, match="MPS"):
+            mm.context.check()
+    finally:
+        mm.close()
