@@ -18,6 +18,7 @@ import torch
 
 from dormant import LLM, SamplingParams
 from dormant.memory import CheckpointUnsupportedError, nvml
+from dormant.memory.context_release import reaches_mps_pipe
 from dormant.memory.residual import pci_bus_id_of
 from tests.engine.conftest import PROMPTS, write_checkpoint
 from tests.gpu.conftest import make_engine
@@ -25,7 +26,7 @@ from tests.gpu.conftest import make_engine
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[2]
-UNDER_MPS = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+UNDER_MPS = reaches_mps_pipe()  # a private daemon's pipe, or a machine-wide one's default
 
 
 def tokens(llm: LLM) -> list[tuple[int, ...]]:
