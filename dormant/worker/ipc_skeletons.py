@@ -145,16 +145,24 @@ class _Counting:
 def _split(raw: bytes) -> tuple[int, int, int] | None:
     """(body, args, end): where the pickle's opcodes start past PROTO (and a FRAME header),
     where the rebuild's argument tuple starts, and where it ends (past REDUCE and MEMOIZE);
-    None for a pickle that is not protocol 4+ or has no such rebuild."""
+    None for a pickle that is not protocol 4+, has no such rebuild, or whose head (to ``end``)
+    runs past its first frame: a hit re-frames the head as one, which a FRAME header inside it
+    would corrupt (a pickler frames every 64 KiB: the metadata pickled before the tensor)."""
     if len(raw) < 11 or raw[0] != 0x80 or raw[1] < 4:
         return None
-    body = 11 if raw[2] == _FRAME else 2
+    framed = raw[2] == _FRAME
+    body = 11 if framed else 2
     for pattern in _GLOBALS:
         start = raw.find(pattern, body)
         if start >= 0:
             args = start + len(pattern)
             end = raw.find(_ARGS_END, args)
-            return (body, args, end + len(_ARGS_END)) if end >= 0 else None
+            if end < 0:
+                return None
+            end += len(_ARGS_END)
+            if framed and end > body + int.from_bytes(raw[3:11], "little"):
+                return None
+            return body, args, end
     return None
 
 

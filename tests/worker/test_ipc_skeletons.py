@@ -19,7 +19,7 @@ from dormant.worker.ipc_payload import (
     unpickle_entry,
 )
 from dormant.worker.ipc_skeletons import PayloadSkeletons
-from dormant.worker.ipc_weights import bucket_items
+from dormant.worker.ipc_weights import bucket_items, pack_flattened_bucket
 from dormant.worker.transfer_errors import WeightTransferError
 from tests.worker.test_ipc_receiver import FakeDriver, SharedBuffer, send
 
@@ -174,3 +174,27 @@ def test_the_framed_head_unpickles_to_what_the_unframed_one_does(driver) -> None
     assert torch.equal(a, b) and a.data_ptr() == b.data_ptr()
     assert list(memo_a) == list(memo_b)
     assert all(type(memo_a[k]) is type(memo_b[k]) for k in memo_a)
+
+
+def test_a_head_past_the_first_frame_is_read_in_full_every_time(driver) -> None:
+    """The metadata pickled before the tensor, over 64 KiB: the pickler starts a new FRAME
+    inside the head, which a kept layout's one-frame head cannot hold (the second read failed
+    with "pickle data was truncated"). Such a bucket is not kept, and every read succeeds."""
+    driver.buffers[b"big"] = np.zeros(1 << 20, dtype=np.uint8)
+    names = tuple(f"model.layers.{i}.mlp.experts.{i}.down_proj.weight" for i in range(1500))
+    skeletons, handles, layouts = PayloadSkeletons(), driver.handles(), []
+    for seed in (1, 2):
+        generator = torch.Generator().manual_seed(seed)
+        named = [(name, torch.randn(2, 2, generator=generator).bfloat16()) for name in names]
+        buffer = torch.from_numpy(driver.buffers[b"big"])
+        payload = pack_flattened_bucket(buffer, named)
+        shared = SharedBuffer(b"big", payload["flattened_tensor"], b"e", driver.share())
+        stream = io.BytesIO()
+        pickle.Pickler(stream, protocol=4).dump(
+            {"metadata": payload["metadata"], "flattened_tensor": shared}
+        )
+        flat, layout = read(skeletons, handles, stream.getvalue())
+        assert torch.equal(flat, buffer[: flat.numel()])
+        layouts.append(layout)
+    assert (skeletons.num_hits, skeletons.num_misses) == (0, 2)
+    assert layouts[0] == layouts[1] and len(layouts[0]) == len(names)
