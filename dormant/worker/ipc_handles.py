@@ -102,10 +102,12 @@ class IpcHandles:
         key = (handle, storage_offset)
         held = self._current.get(key) or self._held.get(key)
         if held is not None and held.nbytes == nbytes and held.device == device:
-            tensor = held.view(dtype, size, stride, offset)
-            self.counters.release(counter, slot)  # this share's counter: the sender's block
-            if sync:
-                self._wait_on_event(device, event)  # the sender's writes before this share
+            try:  # the event first: the sender may drop it once this share's counter is released
+                if sync:
+                    self._wait_on_event(device, event)  # the sender's writes before this share
+                tensor = held.view(dtype, size, stride, offset)
+            finally:
+                self.counters.release(counter, slot)  # this share's: the sender's block waits
             self.num_reused += 1
         else:
             storage = self._open(device, handle, nbytes, storage_offset, counter, slot, event, sync)
