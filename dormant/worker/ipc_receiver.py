@@ -95,12 +95,12 @@ class IpcReceiver:
         copy fails (the observer was told: every weight is stale). On any error the held
         handles are released.
         """
-        if load_format not in LOAD_FORMATS:
-            raise UnsupportedOptionError(
-                f"load_format={load_format!r} is not supported for update_weights_from_tensor; "
-                f"use one of {LOAD_FORMATS}"
-            )
         try:
+            if load_format not in LOAD_FORMATS:
+                raise UnsupportedOptionError(
+                    f"load_format={load_format!r} is not supported for "
+                    f"update_weights_from_tensor; use one of {LOAD_FORMATS}"
+                )
             entry = rank_entry(serialized_named_tensors, tp_rank)
             routes = WeightRoutes(model, draft)
             if load_format == FLATTENED_BUCKET:

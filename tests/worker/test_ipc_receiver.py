@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.multiprocessing import reductions
 
 from dormant.core.commands import Command
+from dormant.core.errors import UnsupportedOptionError
 from dormant.models import WeightError
 from dormant.worker.draft_model import DraftModel, PrefixedObserver
 from dormant.worker.ipc_counters import FILE_BYTES, HEADER_BYTES, RefCounterFiles
@@ -182,6 +183,20 @@ def test_an_error_releases_the_held_handles(driver: FakeDriver) -> None:
         )
     assert not driver.is_open(b"reused") and receiver.handles.num_held == 0
     assert_state_equal(state(model), before)
+
+
+def test_an_unknown_load_format_releases_the_held_handles(driver: FakeDriver) -> None:
+    model = tiny(TINY_LLAMA)
+    receiver = IpcReceiver(driver.handles())
+    first, second, *_ = buckets_of(new_weights(model, 4))
+    receiver.update_weights_from_tensor(
+        model, [send(driver, b"reused", first, b"e")], load_format=FLATTENED_BUCKET
+    )
+    with pytest.raises(UnsupportedOptionError, match="load_format"):
+        receiver.update_weights_from_tensor(
+            model, [send(driver, b"reused", second, b"e")], load_format="flattened"
+        )
+    assert not driver.is_open(b"reused") and receiver.handles.num_held == 0
 
 
 @pytest.mark.parametrize("command", list(Command))
