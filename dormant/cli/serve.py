@@ -65,6 +65,8 @@ def add_serve_parser(commands: Any) -> None:
     lim.add_argument("--max-body-bytes", type=int, default=16 << 20, help="largest request body")
     lim.add_argument("--max-prompt-chars", type=int, default=None,
                      help="longest text prompt (default: max-model-len x 32)")  # fmt: skip
+    lim.add_argument("--max-sequences-per-request", type=int, default=4096,
+                     help="prompts x n one request may start")  # fmt: skip
     lim.add_argument("--max-connections", type=int, default=256, help="connections at once")
     lim.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a client may take to send its request head")  # fmt: skip
@@ -139,7 +141,9 @@ def _serve(args: argparse.Namespace) -> int:
             insecure_admin=args.insecure_admin,
             allowed_weight_dirs=tuple(Path(d) for d in args.allowed_weight_dirs),
             allowed_hosts=tuple(args.allowed_hosts), max_body_bytes=args.max_body_bytes,
-            max_prompt_chars=args.max_prompt_chars, max_connections=args.max_connections,
+            max_prompt_chars=args.max_prompt_chars,
+            max_sequences_per_request=args.max_sequences_per_request,
+            max_connections=args.max_connections,
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             keep_alive_s=args.keep_alive_timeout, sleep_idle_ttl_s=args.sleep_idle_ttl,
             auto_wake=args.auto_wake,

@@ -161,6 +161,12 @@ class OutputProcessor:
         state = self._requests.get(request_id)
         return None if state is None else self._build(state)
 
+    def num_generated(self, request_id: int) -> int | None:
+        """Tokens its samples generated so far, without building its output (None if it is not
+        tracked): a listener's progress is built only when this grew."""
+        state = self._requests.get(request_id)
+        return None if state is None else sum(len(seq.output_token_ids) for seq in state.seqs)
+
     def pop_finished(self, finished: SequenceOf[Sequence]) -> list[RequestOutput]:
         """The outputs of the requests that ``finished`` completed, which are then forgotten."""
         outputs: list[RequestOutput] = []

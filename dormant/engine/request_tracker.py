@@ -33,6 +33,7 @@ class TrackedRequest:
     wants_progress: bool
     engine_id: Any = None  # what the engine's add_request returned
     num_tokens_sent: int = 0
+    num_generated_seen: int = 0  # the engine's count when its output was last built
 
 
 class RequestTracker:
@@ -92,10 +93,17 @@ class RequestTracker:
                 tracked.listener(output)
 
     def send_progress(self) -> None:
-        """Hands each listener that wants progress its request's output, if it grew."""
+        """Hands each listener that wants progress its request's output, if it grew. Only the
+        requests that generated tokens since the last look have their output built: a step
+        costs the requests it advanced, not every request waiting for a slot."""
+        outputs = self.engine.outputs
         for tracked in self._tracked.values():
             if not tracked.wants_progress:
                 continue
+            num_generated = outputs.num_generated(tracked.engine_id)
+            if num_generated is None or num_generated == tracked.num_generated_seen:
+                continue
+            tracked.num_generated_seen = num_generated
             output = self.engine.request_output(tracked.engine_id)
             if output is None:
                 continue

@@ -113,6 +113,7 @@ def _add_info_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
             "limits": {
                 "max_body_bytes": settings.max_body_bytes,
                 "max_prompt_chars": serving.max_prompt_chars,
+                "max_sequences_per_request": settings.max_sequences_per_request,
                 "max_connections": settings.max_connections,
                 "header_timeout_s": settings.header_timeout_s,
                 "body_timeout_s": settings.body_timeout_s,

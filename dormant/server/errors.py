@@ -75,6 +75,11 @@ class ForbiddenError(ServerError):
     status = HTTPStatus.FORBIDDEN
 
 
+class ClientGoneError(ServerError):
+    """The client closed its connection before the reply: its requests were aborted, and this
+    answer is never read."""
+
+
 class NotImplementedByEngineError(ServerError):
     """The engine has no method the route needs; the message names it."""
 

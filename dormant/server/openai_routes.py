@@ -50,13 +50,14 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     serving.check_model(body.model)
     prompt = body.prompt
     items = prompt if isinstance(prompt, list) and prompt and not _is_ids(prompt) else [prompt]
+    serving.check_batch(len(items), body.n)
     prompts = [await serving.prepare(p) for p in items]  # type: ignore[arg-type]
     params = body.sampling_params(serving.max_tokens(prompts, body.max_tokens), body.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     job = _Job(serving, body, params, prompts, request_id, is_chat=False, k=body.logprobs or 0)
     if body.stream:
         return await job.stream()
-    outputs = await serving.run(prompts, params, request_id)
+    outputs = await serving.run(prompts, params, request_id, request.is_disconnected)
     return job.reply(outputs)
 
 
@@ -75,7 +76,7 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     job = _Job(serving, body, params, prompts, request_id, is_chat=True, k=k)
     if body.stream:
         return await job.stream()
-    return job.reply(await serving.run(prompts, params, request_id))
+    return job.reply(await serving.run(prompts, params, request_id, request.is_disconnected))
 
 
 @router.post("/tokenize")

@@ -10,12 +10,31 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from dormant.core.sampling_params import SamplingParams
 
+# Stop strings are matched against every sample's new text at every token: their number and
+# length bound that work (OpenAI allows 4; a few dozen covers every RL recipe seen).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_NAME_CHARS = 256  # a chat message's ``name``
+MAX_ID_CHARS = 1024  # a request id chosen by the client
+
+
+def _encodable(text: str) -> str:
+    text.encode("utf-8")  # raises for a lone surrogate (JSON "\ud800"): no tokenizer takes it
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
-Stop = str | list[str] | None
+StopText = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None
+RequestId = Annotated[Text, Field(min_length=1, max_length=MAX_ID_CHARS)]
+# Batches of prompts: an empty one has nothing to answer.
+Texts = Annotated[list[Text], Field(min_length=1)]
+TokenIdLists = Annotated[list[TokenIds], Field(min_length=1)]
 
 
 class Strict(BaseModel):
@@ -86,7 +105,7 @@ class SamplingFields(Strict):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Text | Texts | TokenIds | TokenIdLists
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
@@ -96,8 +115,8 @@ class CompletionRequest(SamplingFields):
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
+    content: Text
+    name: Annotated[Text, Field(max_length=MAX_NAME_CHARS)] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -112,7 +131,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(Strict):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 

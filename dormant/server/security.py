@@ -3,7 +3,9 @@
 | check          | refuses                                                         | status |
 |----------------|-----------------------------------------------------------------|--------|
 | Host           | a Host header naming another site (DNS rebinding)               | 403    |
-| Origin         | a browser request from another origin (cross-site forgery)      | 403    |
+| Origin         | a browser request from another origin (cross-site forgery), or  | 403    |
+|                | without Origin but ``Sec-Fetch-Site`` naming another site (an   |        |
+|                | ``<img>`` or link to a GET route)                               |        |
 | API key        | with ``--api-key``: no or a wrong ``Authorization: Bearer``     | 401    |
 | admin          | admin routes without ``--admin-token`` on a non-loopback bind    | 403    |
 |                | (unless ``--insecure-admin``); with a token, a wrong or no one  | 401    |
@@ -71,7 +73,7 @@ class SecurityMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             self._check_host(headers.get("host", ""))
-            self._check_origin(headers.get("origin"))
+            self._check_origin(headers.get("origin"), headers.get("sec-fetch-site"))
             self._check_auth(scope["path"], headers.get("authorization"))
             self._check_body(scope["method"], headers)
         except Refusal as refusal:
@@ -103,8 +105,15 @@ class SecurityMiddleware:
                 "should be (refused to stop DNS-rebinding attacks)",
             )
 
-    def _check_origin(self, origin: str | None) -> None:
+    def _check_origin(self, origin: str | None, fetch_site: str | None) -> None:
         if origin is None:
+            if fetch_site in ("cross-site", "same-site"):  # a browser's no-cors GET
+                raise Refusal(
+                    403,
+                    "ForbiddenError",
+                    f"a browser request from another site (Sec-Fetch-Site: {fetch_site}) is "
+                    "refused (cross-site request forgery); call this server from a program",
+                )
             return
         name = urlsplit(origin).hostname
         if name is None or not self._is_allowed_host(name):

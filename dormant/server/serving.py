@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.engine.async_llm import AsyncLLM
 from dormant.engine.outputs import RequestOutput
-from dormant.server.errors import BadRequestError, NotServedError
+from dormant.server.errors import BadRequestError, ClientGoneError, NotServedError
 from dormant.server.metrics import Metrics
 from dormant.server.settings import MAX_CHARS_PER_TOKEN, ServerSettings
 
 PromptIn = str | list[int]
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,18 @@ class Serving:
             )
 
     # ── prompts ──────────────────────────────────────────────────────────────────────────────
+
+    def check_batch(self, num_prompts: int, n: int) -> None:
+        """Refuses, before any prompt is tokenized, a request that would start more sequences
+        than ``max_sequences_per_request``: every other client's requests would wait behind
+        them."""
+        limit = self.settings.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise BadRequestError(
+                f"the request starts {num_prompts} prompts x n={n} = {num_prompts * n} "
+                f"sequences, more than this server accepts in one request ({limit}, "
+                "--max-sequences-per-request); send them in smaller requests"
+            )
 
     async def prepare(self, prompt: PromptIn, add_special_tokens: bool = True) -> Prepared:
         """Checks ``prompt`` (text is measured before it is tokenized, on a tokenizer thread);
@@ -107,7 +121,12 @@ class Serving:
         return requested
 
     async def chat_prompt(self, messages: list[dict[str, str]]) -> Prepared:
-        num_chars = sum(len(m.get("content", "")) for m in messages)
+        if len(messages) >= self.max_model_len:  # a template spends a token on each, at least
+            raise BadRequestError(
+                f"{len(messages)} messages cannot fit: the context holds {self.max_model_len} "
+                "tokens, and each message takes at least one"
+            )
+        num_chars = sum(len(m.get("content", "")) + len(m.get("name") or "") for m in messages)
         if num_chars > self.max_prompt_chars:
             raise BadRequestError(
                 f"the messages have {num_chars} characters, more than this server accepts "
@@ -158,9 +177,16 @@ class Serving:
         return list(zip(firsts, generators, strict=True))  # type: ignore[arg-type]
 
     async def run(
-        self, prompts: Sequence[Prepared], params: SamplingParams, request_id: str
+        self,
+        prompts: Sequence[Prepared],
+        params: SamplingParams,
+        request_id: str,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
     ) -> list[RequestOutput]:
-        """The final output of every prompt, in order."""
+        """The final output of every prompt, in order. A reply is sent only at the end, so
+        ``is_disconnected`` (the request's) is asked every ``DISCONNECT_POLL_S`` meanwhile: a
+        client that left has its requests aborted (``ClientGoneError``), rather than their
+        sequences run to their last token for nobody."""
         with self.metrics.track_request(self):
             started = await self.streams(prompts, params, request_id)
 
@@ -172,7 +198,7 @@ class Serving:
 
             tasks = [asyncio.ensure_future(last(f, r)) for f, r in started]
             try:
-                outputs = await asyncio.gather(*tasks)
+                outputs = await _unless_gone(asyncio.gather(*tasks), is_disconnected)
             except BaseException:
                 for task in tasks:
                     task.cancel()
@@ -215,3 +241,19 @@ class Serving:
             finally:
                 for task in tasks:
                     task.cancel()
+
+
+async def _unless_gone(
+    work: Awaitable[T], is_disconnected: Callable[[], Awaitable[bool]] | None
+) -> T:
+    """``await work``, raising ``ClientGoneError`` (``work`` cancelled) once the client left."""
+    future = asyncio.ensure_future(work)
+    if is_disconnected is None:
+        return await future
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return future.result()
+        if await is_disconnected():
+            future.cancel()
+            raise ClientGoneError("the client closed its connection; its requests were aborted")

@@ -13,6 +13,9 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_KEEP_ALIVE_S = 5
+# Sequences (prompts x n) one request may start: a larger batch waits behind nobody, but every
+# other client's requests wait behind it.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 4096
 # A token is rarely longer than this many characters, so a prompt longer than
 # max_model_len * this cannot fit and is refused before it is tokenized.
 MAX_CHARS_PER_TOKEN = 32
@@ -45,6 +48,7 @@ class ServerSettings:
         allowed_hosts: extra ``Host`` header names accepted besides loopback and the bind.
         max_body_bytes, max_prompt_chars: request size limits (``max_prompt_chars`` None:
             ``max_model_len * MAX_CHARS_PER_TOKEN``).
+        max_sequences_per_request: prompts x ``n`` one request may start.
         max_connections: connections served at once (uvicorn's ``limit_concurrency``).
         header_timeout_s, body_timeout_s, keep_alive_s: how long a client may take to send
             its request head, its body, and how long an idle connection stays open.
@@ -62,6 +66,7 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: int | None = None
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
@@ -73,7 +78,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names needs at least one name")
-        for name in ("max_body_bytes", "max_connections"):
+        for name in ("max_body_bytes", "max_connections", "max_sequences_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s"):

@@ -8,7 +8,15 @@ from typing import Any, Literal
 from pydantic import Field
 
 from dormant.core.sampling_params import SamplingParams
-from dormant.server.protocol import Strict, TokenIds
+from dormant.server.protocol import (
+    RequestId,
+    Stop,
+    Strict,
+    Text,
+    Texts,
+    TokenIdLists,
+    TokenIds,
+)
 
 
 class SGLangSamplingParams(Strict):
@@ -28,7 +36,7 @@ class SGLangSamplingParams(Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None
+    stop: Stop = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -63,15 +71,15 @@ class SGLangSamplingParams(Strict):
 class GenerateRequest(Strict):
     """``POST /generate``: ``text`` or ``input_ids`` (one prompt, or a list of them)."""
 
-    text: str | list[str] | None = None
-    input_ids: TokenIds | list[TokenIds] | None = None
+    text: Text | Texts | None = None
+    input_ids: TokenIds | TokenIdLists | None = None
     sampling_params: SGLangSamplingParams | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: str | None = None
+    rid: RequestId | None = None
 
 
 class TagsRequest(Strict):

@@ -45,8 +45,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     is_batch = not (
         isinstance(body.text, str) or (body.input_ids and isinstance(body.input_ids[0], int))
     )
-    prompts = [await serving.prepare(item) for item in items]
     sampling = body.sampling_params or SGLangSamplingParams()
+    serving.check_batch(len(items), sampling.n)
+    prompts = [await serving.prepare(item) for item in items]
     logprobs = body.top_logprobs_num if body.return_logprob else None
     prompt_logprobs = logprobs if body.return_logprob and body.logprob_start_len >= 0 else None
     max_tokens = serving.max_tokens(prompts, sampling.max_new_tokens)
@@ -56,7 +57,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     if body.stream:
         started = await serving.streams(prompts, params, job.rid)
         return EventSourceResponse(job.events(started))
-    outputs = await serving.run(prompts, params, job.rid)
+    outputs = await serving.run(prompts, params, job.rid, request.is_disconnected)
     replies = [job.reply(p, o, c) for p, o in enumerate(outputs) for c in o.outputs]
     return replies if is_list else replies[0]
 
