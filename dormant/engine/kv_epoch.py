@@ -3,6 +3,11 @@ every rank reports how often its weights were written and its KV discarded (``Ra
 counted on the worker whatever path did it), and before each schedule the engine drops the
 cache if any count moved since the cache was last known good (``CachedKVEpoch``).
 ``LLMEngine.reset_prefix_cache()`` is for vLLM's callers; correctness never depends on it.
+
+A KV discard the engine did not make itself (the caller's code through ``collective_rpc``,
+sleeping a worker directly) also takes the running sequences' KV: before the next schedule
+they are preempted, and recompute it (``lose_running_kv``). The engine's own sleeps settle
+their running sequences first (abort, or preempt in "keep" mode), so this finds none.
 """
 
 from __future__ import annotations
@@ -15,12 +20,28 @@ from dormant.engine.sleep_control import SleepControl
 class CachedKVEpoch:
     """The epoch the cached KV was computed under, and the drop when the ranks' epoch moves.
 
-    ``drop_cache`` resets the prefix cache of the engine's current scheduler.
+    ``drop_cache`` resets the prefix cache of the engine's current scheduler;
+    ``lose_running_kv`` preempts its running sequences.
     """
 
-    def __init__(self, sleep_control: SleepControl, drop_cache: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        sleep_control: SleepControl,
+        drop_cache: Callable[[], None],
+        lose_running_kv: Callable[[], None],
+    ) -> None:
         self._sleep_control, self._drop_cache = sleep_control, drop_cache
+        self._lose_running_kv = lose_running_kv
         self._epoch = sleep_control.kv_epoch  # what the cached KV was computed under
+        self._discards = _discards(self._epoch)  # what the running sequences' KV was made in
+
+    def recompute_if_discarded(self) -> None:
+        """Before a schedule (no call in flight): running sequences whose KV memory was
+        discarded since are preempted, so they recompute it rather than decode over zeros."""
+        discards = _discards(self._sleep_control.kv_epoch)
+        if discards != self._discards:
+            self._lose_running_kv()
+            self._discards = discards
 
     def invalidate_if_stale(self) -> None:
         """DESIGN §3 invariant 10, where it holds: cached KV was computed with the weights and
@@ -35,3 +56,7 @@ class CachedKVEpoch:
         if epoch != self._epoch:
             self._drop_cache()
             self._epoch = epoch
+
+
+def _discards(epoch: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    return tuple(num_kv_discards for _, num_kv_discards in epoch)

@@ -81,7 +81,9 @@ class LLMEngine:
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, eos)
         self._kv_epoch = CachedKVEpoch(
-            self.sleep_control, lambda: self.scheduler.block_manager.reset_prefix_cache()
+            self.sleep_control,
+            lambda: self.scheduler.block_manager.reset_prefix_cache(),
+            lambda: self.scheduler.preempt_all(),
         )
         self.outputs = OutputProcessor(
             self.tokenizer,
@@ -196,9 +198,11 @@ class LLMEngine:
         return self._steps.step()
 
     def _prepare_schedule(self) -> None:
-        """Before a batch is scheduled from scratch: the engine can generate, and the prefix
-        cache holds no KV of weights or memory since changed."""
+        """Before a batch is scheduled from scratch: the engine can generate, no running
+        sequence's KV was discarded, and the prefix cache holds no KV of weights or memory
+        since changed."""
         self.check_can_generate()
+        self._kv_epoch.recompute_if_discarded()
         self._kv_epoch.invalidate_if_stale()
 
     # ── sleep and wake ────────────────────────────────────────────────────────────────────────
