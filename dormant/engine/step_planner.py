@@ -170,7 +170,11 @@ class StepPlanner:
             manager.allocate(seq, num_computed + num_new, cached)
             manager.publish(seq, num_computed + num_new)
             seq.num_computed_tokens = num_computed
-            seq.num_draft_computed_tokens = num_computed  # cached blocks hold the draft's KV too
+            # The draft catches up over the cached prefix at its first step: a cached block's
+            # draft KV may never have been written (MTP writes a prompt's at the first decode,
+            # which the request that cached it may never have run), and MTP's last position
+            # pairs with the next token, which the block's hash does not cover.
+            seq.num_draft_computed_tokens = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             rows.append((seq, num_new))

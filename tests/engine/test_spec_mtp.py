@@ -106,6 +106,35 @@ def test_first_drafts_are_the_mtp_layers_prediction(engines, mimo, first_drafts)
     assert checked >= 10
 
 
+def test_drafts_after_a_prefix_cache_hit_are_the_mtp_layers_prediction(
+    engines, mimo, first_drafts
+) -> None:
+    """A request that found its first block cached (from one that never decoded, so never
+    wrote its prompt's MTP KV) drafts what the MTP layer predicts: the draft catches up over
+    the cached prefix (it took the cached blocks' unwritten draft KV as exact: 2 of 10 drafts
+    were off, with tokens unchanged only because verification rejects them)."""
+    path, hf_model, tensors = mimo
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    llm = LLM(str(path), speculative_config=spec, block_size=16, **OPTIONS)
+    engines.append(llm)
+    shared = list(range(20, 36))  # one full block
+    first = {"prompt_token_ids": [*shared, 5, 6, 7]}
+    llm.generate([first], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    first_drafts.clear()
+    prompt = [*shared, 9, 8]
+    output = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert output.num_cached_tokens == 16
+    context = [*prompt, *output.outputs[0].token_ids]
+    config = ModelConfig.from_pretrained(str(path))
+    for length, _, draft in first_drafts:
+        seq = context[:length]
+        with torch.no_grad():
+            hidden = _hf_pre_norm_hidden(hf_model, seq[:-1])
+            logits = reference_mtp(tensors, 0, config, torch.tensor(seq[1:]), hidden)
+        assert draft == int(logits[-1].argmax())
+    assert len(first_drafts) >= 5
+
+
 def test_level_2_sleep_and_refit_of_the_mtp_layers(engines, mimo, first_drafts) -> None:
     path = mimo[0]
     llm = make(engines, path, k=3)
