@@ -91,8 +91,8 @@ def test_chat_messages_count_and_names_are_bounded(start_server) -> None:
 def test_a_non_streaming_request_whose_client_left_is_aborted(server) -> None:
     engine = server.engine.engine
     step = engine.step
-    engine.step = lambda: (time.sleep(0.02), step())[1]  # 200 steps: 4 s
-    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}).encode()
+    engine.step = lambda: (time.sleep(0.02), step())[1]  # 240 steps: over 4.8 s
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.thread.port)) as connection:
         connection.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -103,7 +103,7 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(server) -> None:
                 break
             time.sleep(0.01)
         assert server.engine.num_requests == 1
-    for _ in range(100):  # well before its 200 steps end
+    for _ in range(150):  # 3 s: well before its 240 steps end
         if server.engine.num_requests == 0:
             break
         time.sleep(0.02)
