@@ -6,7 +6,7 @@ cache if any count moved since the cache was last known good (``CachedKVEpoch``)
 
 A KV discard the engine did not make itself (the caller's code through ``collective_rpc``,
 sleeping a worker directly) also takes the running sequences' KV: before the next schedule
-they are preempted, and recompute it (``lose_running_kv``). The engine's own sleeps settle
+they are preempted, and recompute it (``recompute_if_discarded``). The engine's own sleeps settle
 their running sequences first (abort, or preempt in "keep" mode), so this finds none.
 """
 
@@ -14,24 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dormant.engine.scheduler import Scheduler
 from dormant.engine.sleep_control import SleepControl
 
 
 class CachedKVEpoch:
     """The epoch the cached KV was computed under, and the drop when the ranks' epoch moves.
 
-    ``drop_cache`` resets the prefix cache of the engine's current scheduler;
-    ``lose_running_kv`` preempts its running sequences.
+    ``scheduler`` gives the engine's current scheduler: its prefix cache is what is dropped,
+    its running sequences what is preempted.
     """
 
-    def __init__(
-        self,
-        sleep_control: SleepControl,
-        drop_cache: Callable[[], None],
-        lose_running_kv: Callable[[], None],
-    ) -> None:
-        self._sleep_control, self._drop_cache = sleep_control, drop_cache
-        self._lose_running_kv = lose_running_kv
+    def __init__(self, sleep_control: SleepControl, scheduler: Callable[[], Scheduler]) -> None:
+        self._sleep_control, self._scheduler = sleep_control, scheduler
         self._epoch = sleep_control.kv_epoch  # what the cached KV was computed under
         self._discards = _discards(self._epoch)  # what the running sequences' KV was made in
 
@@ -40,7 +35,7 @@ class CachedKVEpoch:
         discarded since are preempted, so they recompute it rather than decode over zeros."""
         discards = _discards(self._sleep_control.kv_epoch)
         if discards != self._discards:
-            self._lose_running_kv()
+            self._scheduler().preempt_all()
             self._discards = discards
 
     def invalidate_if_stale(self) -> None:
@@ -54,7 +49,7 @@ class CachedKVEpoch:
         state after they ran."""
         epoch = self._sleep_control.kv_epoch
         if epoch != self._epoch:
-            self._drop_cache()
+            self._scheduler().block_manager.reset_prefix_cache()
             self._epoch = epoch
 
 

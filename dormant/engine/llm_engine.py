@@ -80,11 +80,7 @@ class LLMEngine:
         self.spec_decode_stats = SpecDecodeStats() if config.speculative_config else None
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, eos)
-        self._kv_epoch = CachedKVEpoch(
-            self.sleep_control,
-            lambda: self.scheduler.block_manager.reset_prefix_cache(),
-            lambda: self.scheduler.preempt_all(),
-        )
+        self._kv_epoch = CachedKVEpoch(self.sleep_control, lambda: self.scheduler)
         self.outputs = OutputProcessor(
             self.tokenizer,
             lambda: self.refits.weight_version,

@@ -168,35 +168,29 @@ def test_only_the_last_payloads_storage_is_held(driver: FakeDriver) -> None:
     assert receiver.handles.num_opened == 2 and receiver.handles.num_reused == 0
 
 
-def test_an_error_releases_the_held_handles(driver: FakeDriver) -> None:
+@pytest.mark.parametrize("bad", ["names", "load_format"])
+def test_an_error_releases_the_held_handles(driver: FakeDriver, bad: str) -> None:
+    """A bucket that does not fit, or an unknown ``load_format`` (it raised before the release
+    once): the handles held since the last bucket are closed, and nothing was written."""
     model = tiny(TINY_LLAMA)
     receiver = IpcReceiver(driver.handles())
     first, second, *_ = buckets_of(new_weights(model, 4))
     receiver.update_weights_from_tensor(
         model, [send(driver, b"reused", first, b"e")], load_format=FLATTENED_BUCKET
     )
-    bad = [(name + "x", tensor) for name, tensor in second]
+    if bad == "names":
+        second = [(name + "x", tensor) for name, tensor in second]
+    error, load_format = {
+        "names": (WeightError, FLATTENED_BUCKET),
+        "load_format": (UnsupportedOptionError, "flattened"),
+    }[bad]
     before = state(model)
-    with pytest.raises(WeightError):
+    with pytest.raises(error):
         receiver.update_weights_from_tensor(
-            model, [send(driver, b"reused", bad, b"e")], load_format=FLATTENED_BUCKET
+            model, [send(driver, b"reused", second, b"e")], load_format=load_format
         )
     assert not driver.is_open(b"reused") and receiver.handles.num_held == 0
     assert_state_equal(state(model), before)
-
-
-def test_an_unknown_load_format_releases_the_held_handles(driver: FakeDriver) -> None:
-    model = tiny(TINY_LLAMA)
-    receiver = IpcReceiver(driver.handles())
-    first, second, *_ = buckets_of(new_weights(model, 4))
-    receiver.update_weights_from_tensor(
-        model, [send(driver, b"reused", first, b"e")], load_format=FLATTENED_BUCKET
-    )
-    with pytest.raises(UnsupportedOptionError, match="load_format"):
-        receiver.update_weights_from_tensor(
-            model, [send(driver, b"reused", second, b"e")], load_format="flattened"
-        )
-    assert not driver.is_open(b"reused") and receiver.handles.num_held == 0
 
 
 @pytest.mark.parametrize("command", list(Command))
