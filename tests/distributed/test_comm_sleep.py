@@ -141,7 +141,10 @@ def test_an_engine_at_tp2_recreates_its_group_across_sleeps(tmp_path: Path) -> N
     from tests.engine.conftest import GREEDY, PROMPTS, write_checkpoint
 
     def released(worker) -> tuple[bool, int]:
-        return worker.comm_sleep.released, id(worker.comm_sleep.group.process_group)
+        group = worker.comm_sleep.group.process_group
+        # Kept alive on the worker, so that a new group cannot take a freed one's id
+        worker.seen_groups = [*getattr(worker, "seen_groups", []), group]
+        return worker.comm_sleep.released, id(group)
 
     path = write_checkpoint(tmp_path / "ckpt", seed=1)
     options = dict(device="cpu", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
