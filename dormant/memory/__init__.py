@@ -8,6 +8,7 @@ from dormant.memory.copy_path import CopyMode, CopyPath, CopyPathPolicy
 from dormant.memory.errors import (
     CopyPolicyError,
     DriverError,
+    FreeFailedError,
     HostArenaError,
     ManagerClosedError,
     ManagerExistsError,
@@ -82,6 +83,7 @@ __all__ = [
     "CopyPolicyError",
     "DiscardOrder",
     "DriverError",
+    "FreeFailedError",
     "HostArenaError",
     "InvalidSlabRuleError",
     "ManagerClosedError",

@@ -11,17 +11,21 @@ from dataclasses import replace
 
 import torch
 
-from dormant.memory.allocation import Allocation, Kind, State
+from dormant.memory.allocation import Allocation, Kind, State, destroy_allocation
 from dormant.memory.arena import HostArena
 from dormant.memory.audit import AuditRecord, call_site
 from dormant.memory.backend import Backend
+from dormant.memory.errors import FreeFailedError
 from dormant.memory.pool import Block, TagPool
 from dormant.memory.release_history import ReleaseHistory
 from dormant.memory.slab_rules import SlabRule
 
 
 class BlockTable:
-    """Invariant: ``_blocks`` holds exactly the blocks that are allocated and not yet freed."""
+    """Invariants: ``_blocks`` holds exactly the blocks that are allocated and not yet freed;
+    ``dying`` holds exactly the allocations that no block lives in and that are not yet
+    destroyed (a driver call failed). They are in no pool: no sleep, wake or tag state sees them.
+    """
 
     def __init__(
         self,
@@ -38,6 +42,7 @@ class BlockTable:
         self.pools: dict[str, TagPool] = {}
         self._blocks: dict[int, tuple[Block, AuditRecord]] = {}
         self.releases = ReleaseHistory()  # every release of physical memory, sleep's and free's
+        self.dying: list[Allocation] = []  # no block left, destruction failed: retried
 
     def add_tag(self, tag: str, rule: SlabRule | None = None) -> None:
         """A pool for ``tag``: with ``rule``, else the tag's rule in ``slab_rules``, else the
@@ -106,19 +111,53 @@ class BlockTable:
         self._blocks[block.address] = (block_, replace(record, is_declared=True))
 
     def free(self, block: Block) -> None:
-        """Frees ``block`` in any state; its allocation's VA and host copy go if it was the last."""
+        """Frees ``block`` in any state; its allocation's VA and host copy go if it was the last.
+
+        A driver call that fails while that allocation is destroyed leaves it in ``dying``,
+        described as the failure left it, and raises FreeFailedError: ``retry_frees`` finishes
+        it. The block itself is gone either way (nothing can be placed in its allocation again).
+        """
         del self._blocks[block.address]
-        held_memory = block.allocation.handle is not None
-        destroyed = self.pools[block.allocation.tag].free(block)
-        if destroyed is not None and held_memory:
-            self.releases.record(destroyed.size)
-        if destroyed is not None and destroyed.region is not None:
-            self.arena.free(destroyed.region)
-            destroyed.region = None
+        dead = self.pools[block.allocation.tag].free(block)
+        if dead is not None:
+            self._destroy(dead)
+
+    def retry_frees(self) -> None:
+        """Destroys every allocation in ``dying``; FreeFailedError at the first that fails again."""
+        for allocation in list(self.dying):
+            self._destroy(allocation)
+
+    def _destroy(self, allocation: Allocation) -> None:
+        if allocation.region is not None:  # a dead allocation's host copy is of no use
+            self.arena.free(allocation.region)
+            allocation.region, allocation.has_host_copy = None, False
+        held_memory = allocation.handle is not None
+        try:
+            destroy_allocation(self.backend, allocation)
+        except Exception as error:
+            if allocation not in self.dying:
+                self.dying.append(allocation)
+            raise FreeFailedError(
+                f"freeing {allocation.size:,} bytes of tag {allocation.tag!r} at "
+                f"{allocation.va:#x} failed ({allocation.state.name}, handle "
+                f"{'held' if allocation.handle is not None else 'released'}): {error}. The "
+                "memory stays held and listed as unfreed in status(); the manager retries the "
+                "free at its next call and at close()"
+            ) from error
+        finally:
+            if held_memory and allocation.handle is None:
+                self.releases.record(allocation.size)
+        if allocation in self.dying:
+            self.dying.remove(allocation)
+
+    @property
+    def unfreed_bytes(self) -> int:
+        """Device memory still held by allocations whose free failed (``dying``)."""
+        return sum(a.size for a in self.dying if a.handle is not None)
 
     @property
     def is_empty(self) -> bool:
-        return not self._blocks and not any(self.allocations())
+        return not self._blocks and not any(self.allocations()) and not self.dying
 
     def drop_host_copies(self) -> None:
         """Frees every host copy and the arena, unless an allocation that is not MAPPED may still

@@ -114,3 +114,13 @@ class SleepFailedError(TransitionFailedError):
 
 class WakeFailedError(TransitionFailedError):
     """A wake stopped at a failed driver call; it rolled back, so every state is as it was."""
+
+
+class FreeFailedError(DriverError):
+    """A driver call failed while the memory of dead blocks was being freed.
+
+    The allocation is kept, described as the failed call left it (its handle, mapping and VA
+    reservation still held, never released twice), and listed by ``status()`` as unfreed. The
+    manager retries the free at its next call and at ``close()``; this error is raised by the
+    call whose retry fails again, or by a ``raw_free`` whose own free failed.
+    """

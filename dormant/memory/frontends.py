@@ -9,6 +9,7 @@ and the last one releases the arena.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -20,12 +21,14 @@ from dormant.memory.allocation import Kind
 from dormant.memory.audit import AuditReport, make_report
 from dormant.memory.blocks import BlockTable
 from dormant.memory.context_release import ContextRelease
-from dormant.memory.errors import ManagerClosedError
+from dormant.memory.errors import FreeFailedError, ManagerClosedError
 from dormant.memory.policy import Policy, as_tag_list, audited_tags
 from dormant.memory.pool import BLOCK_ALIGNMENT, Block
 from dormant.memory.serial import SerialSection
 from dormant.memory.slab_rules import InvalidSlabRuleError, SlabRule
 from dormant.memory.tag_machine import check_can_allocate, check_known
+
+logger = logging.getLogger(__name__)
 
 
 class Frontends:
@@ -38,10 +41,27 @@ class Frontends:
 
     @contextmanager
     def op(self) -> Iterator[None]:
+        """The gate: frees that failed earlier are retried first, and one that fails again
+        raises FreeFailedError before the operation changes anything."""
         with self.serial.held():
             self.check_open()
             self.context.check_usable("this MemoryManager call")
+            self.table.retry_frees()
             yield
+
+    def close(self) -> FreeFailedError | None:
+        """Stops new operations (under the lock); returns the error of a failed free that failed
+        again at its retry, if any. The arena goes now if nothing is left, else at the last free.
+        """
+        self.is_closed = True
+        try:
+            self.table.retry_frees()
+        except FreeFailedError as error:
+            return error
+        finally:
+            if self.table.is_empty:
+                self.table.arena.release()
+        return None
 
     def check_open(self) -> None:
         if self.is_closed:
@@ -100,7 +120,7 @@ class Frontends:
 
     def raw_free(self, address: int) -> None:
         with self.serial.held():
-            self._free_block(self.table.raw_block(address))
+            self._free_block(self.table.raw_block(address), quiet=False)
 
     def _allocate(self, nbytes: int, tag: str, kind: Kind) -> Block:
         self.check_tags([tag])
@@ -109,11 +129,22 @@ class Frontends:
 
     def _on_storage_freed(self, block: Block) -> None:
         """Deleter of a tensor storage; may run on any thread, even inside one of our own calls."""
-        self.serial.defer(partial(self._free_block, block))
+        self.serial.defer(partial(self._free_block, block, quiet=True))
 
-    def _free_block(self, block: Block) -> None:
-        if self.context.defer(partial(self._free_block, block)):
+    def _free_block(self, block: Block, quiet: bool) -> None:
+        """Frees ``block``. A free that fails is kept for a retry (blocks.py) and raised to the
+        caller that asked for it (``raw_free``); with nobody to take it (a deleter, a restore,
+        another call's exit) it is logged, and the next call that retries it raises."""
+        if self.context.defer(partial(self._free_block, block, quiet=True)):
             return  # the driver is locked (context released): it runs after the restore
-        self.table.free(block)
-        if self.is_closed and self.table.is_empty:
-            self.table.arena.release()
+        try:
+            self.table.free(block)
+            if self.is_closed:
+                self.table.retry_frees()  # no call will come to retry them
+        except FreeFailedError as error:
+            if not quiet:
+                raise
+            logger.warning("%s", error)
+        finally:
+            if self.is_closed and self.table.is_empty:
+                self.table.arena.release()

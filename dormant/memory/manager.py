@@ -291,15 +291,16 @@ class MemoryManager:
 
     def close(self) -> None:
         """Stops new operations and frees the device slot; live tensors stay valid until they die,
-        and the arena goes with the last of them."""
+        and the arena goes with the last of them. Frees that failed earlier are retried: one that
+        fails again raises FreeFailedError once the manager is closed (each later free retries)."""
         self.context.restore()  # frees need the device back
         with self._serial.held():
             if self._front.is_closed:
                 return
-            self._front.is_closed = True
             self._guard.clear()  # their sources hold the engine's tensors (its model, its KV)
-            if self._table.is_empty:
-                self.arena.release()
+            unfreed = self._front.close()
         self._tag_pools.release()  # pools die (and free through raw_free) once unused
         self.context.close()
         self._finalizer()
+        if unfreed is not None:
+            raise unfreed

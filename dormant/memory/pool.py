@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dormant.memory.allocation import Allocation, Kind, create_allocation, destroy_allocation
+from dormant.memory.allocation import Allocation, Kind, create_allocation
 from dormant.memory.backend import Backend
 from dormant.memory.ranges import RangeAllocator, align_up
 from dormant.memory.slab_rules import SlabRule
@@ -100,18 +100,16 @@ class TagPool:
         return Block(allocation.va, nbytes, kind, allocation, None)
 
     def free(self, block: Block) -> Allocation | None:
-        """Returns a block; frees its allocation when nothing else lives in it.
-
-        Returns the allocation it destroyed, if any, so the caller can drop its host copy.
-        """
+        """Returns a block. When nothing else lives in its allocation, the allocation leaves the
+        pool (no block is placed in it again) and is returned for the caller to destroy."""
         if block.slab is None:
-            self._destroy(block.allocation)
+            self.allocations.remove(block.allocation)
             return block.allocation
         block.slab.ranges.free(block.address - block.allocation.va)
         if not block.slab.ranges.is_empty:
             return None
-        self._destroy(block.slab.allocation)
         self._slabs.remove(block.slab)
+        self.allocations.remove(block.slab.allocation)
         return block.slab.allocation
 
     def next_slab_bytes(self, nbytes: int) -> int:
@@ -155,7 +153,3 @@ class TagPool:
         offset = slab.ranges.allocate(nbytes)
         assert offset == 0
         return Block(allocation.va, nbytes, kind, allocation, slab)
-
-    def _destroy(self, allocation: Allocation) -> None:
-        destroy_allocation(self._backend, allocation)  # a failure leaves it listed, as it is
-        self.allocations.remove(allocation)

@@ -249,7 +249,8 @@ def tag_segments(table: BlockTable) -> list[int]:
 
 
 def held_bytes(table: BlockTable) -> int:
-    return sum(a.size for a in table.allocations() if a.handle is not None)
+    """Device memory the manager's allocations hold, with those whose free failed."""
+    return sum(a.size for a in table.allocations() if a.handle is not None) + table.unfreed_bytes
 
 
 def _stack_change(before: Sample, after: Sample) -> str:

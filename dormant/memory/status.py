@@ -152,6 +152,7 @@ class MemoryStatus:
     residual: tuple[ResidualItem, ...]  # device memory in use now, by owner (residual.py)
     released: tuple[ResidualItem, ...] = ()  # what the last sleep gave back beyond the tags
     context: ContextReport | None = None  # the last release of the CUDA context, if any
+    unfreed_bytes: int = 0  # held by dead blocks whose free failed; retried at the next call
 
     def tag(self, name: str) -> TagStatus:
         for status in self.tags:
@@ -177,6 +178,10 @@ class MemoryStatus:
             f"{self.device_total_bytes / GiB:.1f} GiB; host arena "
             f"{self.arena_used_bytes / GiB:.3f} of {self.arena_capacity_bytes / GiB:.3f} GiB"
         )
+        if self.unfreed_bytes:
+            lines.append(
+                f"  UNFREED {self.unfreed_bytes:,} bytes: a free failed; the next call retries it"
+            )
         lines.append("  device memory in use, by owner:")
         lines += [f"    {r.owner:<52} {r.nbytes / 2**20:>10.1f} MiB" for r in self.residual]
         if self.context is not None:

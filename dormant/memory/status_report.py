@@ -20,6 +20,7 @@ from dormant.memory.tag_machine import count_states, tag_state
 
 UNOWNED = "not dormant's: CUDA context, NCCL, other libraries"
 CHECKPOINTED = "this process, its CUDA state checkpointed by the driver (NVML)"
+UNFREED = "dormant: dead blocks whose free failed (retried at the next call)"
 
 
 def status_of(
@@ -49,7 +50,7 @@ def build_status(
     tags' or the backend's known owners' is one row."""
     backend = table.backend
     tags = tag_statuses(table)
-    residual = _tag_rows(tags)
+    residual = _tag_rows(table, tags)
     released: tuple[ResidualItem, ...] = ()
     if ledger is not None and ledger.is_cuda:
         now, rows = ledger.items()
@@ -78,7 +79,7 @@ def released_status(
     (``ContextRelease.outside_reading``) has them; without NVML they are unknown (zero, with a
     row saying so)."""
     tags = tag_statuses(table)
-    residual = _tag_rows(tags)
+    residual = _tag_rows(table, tags)
     process, memory = reading
     used, total = (0, 0) if memory is None else memory
     if process is None:
@@ -109,12 +110,16 @@ def tag_statuses(table: BlockTable) -> list[TagStatus]:
     return statuses
 
 
-def _tag_rows(tags: list[TagStatus]) -> list[ResidualItem]:
-    return [
+def _tag_rows(table: BlockTable, tags: list[TagStatus]) -> list[ResidualItem]:
+    """The tags' rows, and the row of the memory whose free failed (``BlockTable.dying``)."""
+    rows = [
         ResidualItem(f"dormant tag {t.tag!r} ({t.describe()})", t.held_bytes)
         for t in tags
         if t.held_bytes
     ]
+    if table.unfreed_bytes:
+        rows.append(ResidualItem(UNFREED, table.unfreed_bytes))
+    return rows
 
 
 def _status(
@@ -141,4 +146,5 @@ def _status(
         residual=tuple(residual),
         released=released,
         context=context,
+        unfreed_bytes=table.unfreed_bytes,
     )

@@ -4,7 +4,9 @@
 to count the calls of every method in ``faults.COUNTED``, then, for each method and each k from 1
 to its count, runs the scenario with the k-th call failing. A call made by a sleep is tried in two
 variants: ``retry`` repeats the failed sleep first, ``wake`` wakes everything first; a call made by
-a wake in one (``wake``: the wake is repeated). Each case runs in its own forked child, so a
+a wake in one (``wake``: the wake is repeated); a call made by a free is not raised (the block
+dies in a deleter): the allocation waits, truthfully described, for the next call to retry it.
+Each case runs in its own forked child, so a
 segfault is that case's failure and never the runner's. One JSON line per case goes to stdout:
 ``{"case", "method", "k", "variant", "outcome", "detail"}`` with outcome ``ok``, ``failed`` (an
 assertion, with its traceback) or ``crashed`` (a signal). The first line is
@@ -16,7 +18,8 @@ DISCARD, runtime HOST, a user tag, and cuda_graph's many small blocks coalesced 
 growing slabs (pool.py; SLAB_GROWTH is set to 1 here, so that a handful of blocks already grow
 a slab); the arena prepared in the background for weights and cuda_graph (its pins can fail too;
 the next sleep then grows the arena itself); level 1, wake,
-level 2, wake (then refit), ``sleep(tags=...)``, a wake of one tag, a wake of the rest. Hashes go
+a free of a weights allocation and of a whole cuda_graph slab (their tensors die), level 2, wake
+(then refit), ``sleep(tags=...)``, a wake of one tag, a wake of the rest. Hashes go
 in groups of 64 KiB here, so a sleep hashes several groups. Poison mode is on, so the wake fills
 are exercised. After every step, and after every failure, ``check_truth`` compares
 the manager's records with what the host backend has; after every wake each awake tensor is read
@@ -54,7 +57,7 @@ from tests.memory.faults import COUNTED, FaultyBackend, check_truth
 
 KiB = 1 << 10
 VARIANTS = ("retry", "wake")
-SLEEP, WAKE, PREPARE = "sleep", "wake", "prepare"
+SLEEP, WAKE, PREPARE, FREE = "sleep", "wake", "prepare", "free"
 # Small sizes on a 64 KiB granularity: every case is milliseconds. Blocks below 64 KiB share slabs.
 SIZES = {
     "weights": [100 * KiB, 200 * KiB] + [1000 + 2500 * i for i in range(8)],  # 2 own, 2 slabs
@@ -67,6 +70,7 @@ STEPS: list[tuple[str, Mapping[str, Any]]] = [
     (PREPARE, {"tags": {"weights": "host", "cuda_graph": "host"}}),
     (SLEEP, {"level": 1}),
     (WAKE, {}),
+    (FREE, {"weights": [0], "cuda_graph": [0, 1, 2]}),  # an own allocation; the first slab
     (SLEEP, {"level": 2}),
     (WAKE, {}),
     (SLEEP, {"tags": {"weights": "host", "kv_cache": "discard", "adapter": "discard"}}),
@@ -97,7 +101,7 @@ class Scenario:
             arena_chunk_bytes=128 * KiB,
         )
         self.mm.register_tag("adapter", levels={1: "host", 2: "host"})
-        self.expected = expected
+        self.expected = {tag: list(tensors) for tag, tensors in expected.items()}
         self.stale = {"kv_cache"}  # tags whose contents may have been dropped: never promised
         self.tensors = {
             t: [self.mm.empty((n,), torch.uint8, t) for n in s] for t, s in SIZES.items()
@@ -117,6 +121,8 @@ class Scenario:
                 self.sleep(arguments, variant)
             elif kind == PREPARE:
                 self.prepare(arguments)
+            elif kind == FREE:
+                self.free(arguments)
             else:
                 self.wake(arguments)
             check_truth(self.mm, self.backend)
@@ -151,6 +157,24 @@ class Scenario:
         except DriverError as error:
             self.after_failure(error, "prepare")
             assert preparation.nbytes and self.mm.arena.capacity_bytes == 0, "a partial arena"
+
+    def free(self, arguments: Mapping[str, list[int]]) -> None:
+        """Lets the tensors at these indices die; a free that fails waits for the next call."""
+        dying = len(self.mm._table.dying)
+        for tag, indices in arguments.items():
+            for i in sorted(indices, reverse=True):
+                del self.tensors[tag][i], self.expected[tag][i]
+        gc.collect()
+        failed = self.failed_in(FREE)
+        assert len(self.mm._table.dying) == dying + failed, "a failed free was not kept"
+
+    def failed_in(self, phase: str) -> bool:
+        """Whether the armed failure fired in a call of ``phase``."""
+        armed = self.backend.armed
+        if armed is None or not self.backend.is_spent:
+            return False
+        method, k = armed
+        return self.backend.phases[method][k - 1] == phase
 
     def wake(self, arguments: Mapping[str, Any]) -> None:
         before = self.mm.tag_states()

@@ -27,7 +27,7 @@ from dormant.memory.copy_path import CopyPath
 from dormant.memory.host_backend import HostBackend
 from dormant.memory.tag_machine import tag_state
 
-# Every backend call that sleep and wake make (the host backend has no separate set-access).
+# Every backend call that sleep, wake and a free make (the host backend has no set-access).
 COUNTED = (
     "synchronize",
     "hash_batch.add",
@@ -41,6 +41,7 @@ COUNTED = (
     "create",
     "map",
     "fill",
+    "free_reservation",
 )
 
 
@@ -55,6 +56,7 @@ class FaultyBackend:
         self.is_counting = False
         self.num_pinned = 0  # pins minus unpins that landed: chunks the arena still holds
         self._fault: tuple[str, int] | None = None
+        self.armed: tuple[str, int] | None = None  # the failure armed last (kept once it fired)
         self._lock = threading.Lock()
 
     def arm(self, method: str | None = None, k: int = 0) -> None:
@@ -63,7 +65,7 @@ class FaultyBackend:
         self.calls.clear()
         self.phases.clear()
         self.is_counting = True
-        self._fault = None if method is None else (method, k)
+        self._fault = self.armed = None if method is None else (method, k)
 
     def disarm(self) -> None:
         self.is_counting, self._fault = False, None
@@ -168,10 +170,18 @@ def check_truth(mm: MemoryManager, backend: FaultyBackend) -> None:
         if a.state is State.OFFLOADED:
             assert a.has_host_copy, f"{where}: offloaded without a complete host copy"
         assert (a.pending is not None) == (a.state is State.UNMAPPED), f"{where}: {a.pending}"
-    recorded = {a.handle for a in allocations if a.handle is not None}
+    dying = list(mm._table.dying)  # no block left, their free failed: as the failure left them
+    for a in dying:
+        where = f"unfreed {a.tag} allocation at {a.va:#x} ({a.state.name})"
+        assert reservations.get(a.va) == a.reserved, f"{where}: VA not reserved"
+        assert (a.va in mapped) == (a.state is State.MAPPED), f"{where}: mapped={a.va in mapped}"
+        assert a.handle is None or handles.get(a.handle) == a.size, f"{where}: handle not live"
+        assert a.region is None, f"{where}: still holds a host copy"
+    every = allocations + dying
+    recorded = {a.handle for a in every if a.handle is not None}
     assert set(handles) == recorded, f"stray handles {set(handles) - recorded}"
-    assert set(mapped) == {a.va for a in allocations if a.state is State.MAPPED}
-    assert set(reservations) == {a.va for a in allocations}, "stray reservations"
+    assert set(mapped) == {a.va for a in every if a.state is State.MAPPED}
+    assert set(reservations) == {a.va for a in every}, "stray reservations"
     status = mm.status()
     states = mm.tag_states()
     for tag_status in status.tags:
@@ -183,6 +193,7 @@ def check_truth(mm: MemoryManager, backend: FaultyBackend) -> None:
         assert tag_status.mapped_bytes == expected_mapped, tag_status
         assert mm.is_sleeping(tag_status.tag) == (tag_status.state is not TagState.AWAKE)
     assert status.device_used_bytes == sum(handles.values())
+    assert status.unfreed_bytes == sum(a.size for a in dying if a.handle is not None)
 
 
 def touch_all(tensors: Sequence[Any]) -> None:
