@@ -22,6 +22,8 @@ from dormant.core.sampling_params import SamplingParams
 from dormant.engine.engine_status import EngineMemoryStatus
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
+from dormant.engine.request_stream import check_vllm_request_options
+from dormant.engine.tokenizer import TokenizerError
 from dormant.memory import AuditReport
 from dormant.models import ModelConfig
 
@@ -40,16 +42,25 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (text, token ids, or vLLM's ``{"prompt_token_ids":
         [...]}``); returns one ``RequestOutput`` per prompt, in prompt order, each with
         ``params.n`` completions. ``use_tqdm`` shows a progress bar over the prompts (or is a
-        ``tqdm``-like callable to make it with).
+        ``tqdm``-like callable to make it with). ``lora_request`` (one, or one per prompt) and
+        ``priority`` (one per prompt) are vLLM's: only None and 0 are accepted.
 
         Every prompt and its parameters are validated before any is queued: a bad one raises
         (``InvalidSamplingParamsError``, ``RequestTooLongError``...) and queues nothing.
         Raises EngineAsleepError while asleep.
         """
+        loras = lora_request if isinstance(lora_request, list | tuple) else [lora_request]
+        for lora in loras:
+            check_vllm_request_options(lora, 0)
+        for rank in priority or ():
+            check_vllm_request_options(None, rank)
         engine = self.llm_engine
         engine.check_can_generate()  # before queuing anything: a refused call leaves no trace
         batch = _as_prompt_list(prompts)
@@ -79,19 +90,60 @@ class LLM:
                 progress.close()
         return [done[str(i)] for i in ids]
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: renders each conversation (one, or a list of them) with the
+        tokenizer's chat template, tokenizes it without adding special tokens (the template
+        has them), and ``generate``s from those ids. Raises ``TokenizerError`` without a
+        tokenizer or a chat template; renders every conversation before queuing any."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise TokenizerError(
+                "LLM.chat needs the tokenizer's chat template: this engine has no tokenizer or "
+                "it has no chat template; pass chat_template=..., or render the prompt "
+                "yourself and call generate"
+            )
+        is_one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if is_one else messages
+        options = dict(
+            chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+        )  # fmt: skip
+        options.update(chat_template_kwargs or {})
+        texts = [
+            tokenizer.apply_chat_template(list(c), tokenize=False, **options) for c in conversations
+        ]
+        prompts = [
+            {"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)} for t in texts
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
     def get_tokenizer(self) -> Any:
         """The tokenizer (the ``transformers`` one for a HF model), as vLLM's; None under
         ``skip_tokenizer_init``."""
         tokenizer = self.llm_engine.tokenizer
         return getattr(tokenizer, "hf_tokenizer", tokenizer)
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """vLLM's: drops every cached KV block; returns True. Frameworks call it after every
         refit and wake, but dormant never needs it: the engine itself drops cached KV whenever
         a weight is written or KV memory is discarded (DESIGN §3 invariant 10). Blocks held by
-        running requests stay held (``reset_running_requests`` is accepted for vLLM's
-        callers) and are not cached again."""
-        return self.llm_engine.reset_prefix_cache()
+        running requests stay held (``reset_running_requests`` and ``reset_connector``, which
+        has no KV connector to reset here, are accepted for vLLM's callers) and are not cached
+        again."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def sleep(self, level: int = 1, mode: str = "abort", release_context: bool = False) -> None:
         """Frees memory: level 1 offloads the weights to host RAM and discards the KV cache;

@@ -90,6 +90,8 @@ class OutputProcessor:
         # Each tracked sequence's request and its own sample (looked up once per token).
         self._sample_of_seq: dict[int, tuple[RequestState, SampleState]] = {}
         self._positions = LogprobPositions(tokenizer)
+        # For requests with ``detokenize=False``: vLLM gives their logprobs no decoded_token.
+        self._positions_without_text = LogprobPositions(None)
 
     def add(
         self,
@@ -206,18 +208,17 @@ class OutputProcessor:
         assert sample.logprobs is not None and sample.cumulative_logprob is not None
         num = state.params.logprobs
         count = len(token_ids)
+        shaper = self._shaper(state.params)
         values: list[float]
         # (An exact type test and num == 0, as_count(num) == 0: this runs once per row per step.)
         if type(entries) is RowLogprobs and (num == 0 or entries.block.num_top == 0):
             # Only each entry's first token is reported: read from the packed columns, no
             # TokenLogprobs made (what LogprobPositions.sampled builds for these entries).
             entry_ids, values, ranks = entries.columns(count)
-            positions = self._positions.sampled_first(
-                state.request_id, token_ids, entry_ids, values, ranks
-            )
+            positions = shaper.sampled_first(state.request_id, token_ids, entry_ids, values, ranks)
         else:
             entries = entries[:count]
-            positions = self._positions.sampled(state.request_id, num, token_ids, entries)
+            positions = shaper.sampled(state.request_id, num, token_ids, entries)
             values = [entry.logprobs[0] for entry in entries]
         sample.logprobs += positions
         total = sample.cumulative_logprob
@@ -231,7 +232,11 @@ class OutputProcessor:
         logprobs = state.prompt_logprobs
         if logprobs is None or len(logprobs) > 1:  # not asked for, or recorded already
             return
-        logprobs.extend(self._positions.prompt(state.params.prompt_logprobs, entries))
+        shaper = self._shaper(state.params)
+        logprobs.extend(shaper.prompt(state.params.prompt_logprobs, entries))
+
+    def _shaper(self, params: SamplingParams) -> LogprobPositions:
+        return self._positions if params.detokenize else self._positions_without_text
 
     def _build(self, state: RequestState) -> RequestOutput:
         params = state.params

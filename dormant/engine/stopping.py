@@ -15,20 +15,22 @@ def max_tokens(seq: Sequence, max_model_len: int) -> int:
 def finish_reason(
     seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
 ) -> tuple[FinishReason | None, int | None]:
-    """Why ``seq`` finishes on its newest token ``token_id``, with vLLM's precedence: length
-    first, then (past ``min_tokens``) EOS, then a stop token (its ``stop_reason``)."""
+    """Why ``seq`` finishes on its newest token ``token_id``, with vLLM's precedence
+    (``check_stop``): past ``min_tokens``, EOS, then a stop token (its ``stop_reason``), then
+    length. So a stop token that is also the last token ``max_tokens`` allows is a "stop".
+    Length applies before ``min_tokens`` too: a request that cannot reach ``min_tokens`` in
+    ``max_model_len`` ends there."""
     params, num_outputs = seq.params, seq.num_output_tokens
+    if num_outputs >= params.min_tokens:
+        if token_id in eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
     limit = params.max_tokens
     if num_outputs >= (max_model_len if limit is None else limit):
         return FinishReason.LENGTH, None
     if seq.num_prompt_tokens + num_outputs >= max_model_len:
         return FinishReason.LENGTH, None
-    if num_outputs < params.min_tokens:
-        return None, None
-    if token_id in eos_token_ids and not params.ignore_eos:
-        return FinishReason.STOP, None
-    if params.stop_token_ids and token_id in params.stop_token_ids:
-        return FinishReason.STOP, token_id
     return None, None
 
 
