@@ -20,7 +20,9 @@ supported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from dormant.core.errors import UnsupportedOptionError
@@ -37,6 +39,18 @@ _ONLY_VALUE: dict[str, tuple[object | tuple[object, ...], str]] = {
 # eagerly, whatever the mode asks of prefills; "NONE" runs everything eagerly.
 _CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 _COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
+
+
+def engine_args_fields(engine_args: Any) -> dict[str, Any]:
+    """The options in vLLM's ``EngineArgs``/``AsyncEngineArgs`` (or a mapping, or any object
+    whose attributes are options); None gives none."""
+    if engine_args is None:
+        return {}
+    if isinstance(engine_args, Mapping):
+        return dict(engine_args)
+    if dataclasses.is_dataclass(engine_args) and not isinstance(engine_args, type):
+        return dataclasses.asdict(engine_args)
+    return dict(vars(engine_args))
 
 
 def resolve_vllm_options(options: dict[str, Any]) -> dict[str, Any]:

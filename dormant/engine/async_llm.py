@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dormant.core.errors import UnsupportedOptionError
 from dormant.core.sampling_params import RequestOutputKind, SamplingParams
+from dormant.core.vllm_options import engine_args_fields
+from dormant.engine.engine_health import EngineClientHealth
 from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
@@ -48,7 +50,7 @@ __all__ = ["REFIT_POLICIES", "AsyncLLM", "Listener", "Prompt", "RequestCounts", 
 _DRAIN_POLL_S = 0.01
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClientHealth):
     """An engine for asyncio callers. ``AsyncLLM(model, **options)`` takes ``LLM``'s options,
     plus ``refit_policy`` (``"wait"`` or ``"abort"``; see the module docstring)."""
 
@@ -62,20 +64,27 @@ class AsyncLLM:
         self._requests = RequestTracker(self.engine)
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="dormant-tokenize")
         self._engine_loop = EngineLoop(self.engine, self._requests)
+        self._is_shut_down = False
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any = None, **options: Any) -> AsyncLLM:
+    def from_engine_args(
+        cls,
+        engine_args: Any = None,
+        start_engine_loop: bool = True,
+        usage_context: Any = None,
+        stat_loggers: Sequence[Any] | None = None,
+        **options: Any,
+    ) -> AsyncLLM:
         """vLLM's constructor: ``engine_args`` is a mapping or an object whose attributes are
-        options (vLLM's ``AsyncEngineArgs``), with ``model``; ``options`` override it."""
-        if engine_args is None:
-            fields: dict[str, Any] = {}
-        elif isinstance(engine_args, Mapping):
-            fields = dict(engine_args)
-        elif dataclasses.is_dataclass(engine_args) and not isinstance(engine_args, type):
-            fields = dataclasses.asdict(engine_args)
-        else:
-            fields = dict(vars(engine_args))
-        fields.update(options)
+        options (vLLM's ``AsyncEngineArgs``), with ``model``; ``options`` override it. The loop
+        always starts, and ``usage_context`` is vLLM's telemetry; ``stat_loggers`` must be
+        empty (NeMo-RL passes ``[]``): dormant's metrics are its server's ``/metrics``."""
+        if stat_loggers:
+            raise UnsupportedOptionError(
+                f"stat_loggers={list(stat_loggers)!r}: dormant takes no vLLM stat loggers; "
+                "scrape the server's /metrics instead and pass stat_loggers=None"
+            )
+        fields = {**engine_args_fields(engine_args), **options}
         if "model" not in fields:
             raise TypeError("from_engine_args needs a model (engine_args.model or model=...)")
         return cls(fields.pop("model"), **fields)
@@ -95,12 +104,15 @@ class AsyncLLM:
         """Yields the request's outputs until it finished; cancelling the consuming task (or
         closing the generator) aborts it. ``output_kind`` defaults to
         ``sampling_params.output_kind`` where it exists, else CUMULATIVE. Raises
-        ``EngineAsleepError`` while memory is asleep; while only paused, the request waits.
+        ``EngineAsleepError`` while memory is asleep (while only paused, the request waits),
+        and ``dead_error`` once the engine stopped.
 
         ``lora_request`` and ``priority`` are vLLM's (verl passes ``lora_request=None,
         priority=0``): dormant has no LoRA adapters and schedules first come, first served, so
         anything else raises ``UnsupportedOptionError`` before the request is queued."""
         check_vllm_request_options(lora_request, priority)
+        if self.errored:
+            raise self.dead_error
         params = sampling_params or SamplingParams()
         kind = output_kind if output_kind is not None else output_kind_of(params)
         user_id = request_id if request_id is not None else uuid.uuid4().hex
@@ -142,6 +154,10 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self._engine_loop.call(self.engine.is_sleeping)
 
+    async def is_paused(self) -> bool:
+        """vLLM's: whether ``pause_generation`` stopped scheduling (until resumed)."""
+        return bool(await self._engine_loop.call(lambda: self.engine.sleep_control.is_paused))
+
     async def pause_generation(self, mode: str = "abort") -> None:
         """vLLM's ``pause_generation``: ``abort`` finishes running requests, ``wait`` lets them
         finish first, ``keep`` freezes them until ``resume_generation``. New requests wait."""
@@ -152,11 +168,16 @@ class AsyncLLM:
     async def resume_generation(self) -> None:
         await self._engine_loop.call(self.engine.resume)
 
-    async def reset_prefix_cache(self) -> bool:
-        """vLLM's name: drops the cached KV blocks between two steps. Never needed: the engine
-        drops them itself whenever a weight is written or KV memory is discarded."""
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        return True if reset is None else bool(await self._engine_loop.call(reset))
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """vLLM's: drops the cached KV blocks between two steps (``LLMEngine``'s, with vLLM's
+        arguments). Never needed: the engine drops them itself whenever a weight is written
+        or KV memory is discarded."""
+        reset = self.engine.reset_prefix_cache
+        return bool(
+            await self._engine_loop.call(lambda: reset(reset_running_requests, reset_connector))
+        )
 
     async def reset_mm_cache(self) -> None:
         """vLLM's (verl calls it once the engine is up). dormant serves text-only models, so
@@ -242,6 +263,10 @@ class AsyncLLM:
         """The engine's tokenizer (``dormant.engine.tokenizer.Tokenizer``), or None."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the ``transformers`` tokenizer (``LLM.get_tokenizer``)."""
+        return self.llm.get_tokenizer()
+
     @property
     def device(self) -> str:
         """The device the weights live on ("cuda" or "cpu")."""
@@ -284,8 +309,10 @@ class AsyncLLM:
         return await self._engine_loop.call(fn)
 
     def shutdown(self) -> None:
-        """Stops the loop (running requests get ``EngineDeadError``) and the engine."""
-        if not self._engine_loop.is_stopped:
+        """Stops the loop (running requests get ``EngineDeadError``) and the engine, also
+        after the loop failed by itself; once."""
+        if not self._is_shut_down:
+            self._is_shut_down = True
             self._engine_loop.stop()
             self._tokenize_pool.shutdown(wait=False)
             self.llm.shutdown()

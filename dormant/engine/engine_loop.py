@@ -17,7 +17,9 @@ What the loop does between steps, as a table::
                                             command that closed the gate runs and opens it
 
 After ``stop`` every command, queued or new, fails with ``EngineDeadError``, and so does every
-request being generated or held.
+request being generated or held. An error that escapes the loop itself (a bug, not a failed
+step) stops it the same way, with the error as the ``EngineDeadError``'s cause: no caller is
+left waiting on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -55,14 +57,14 @@ class EngineLoop:
         self._is_gate_closed = False
         self._held: list[Command] = []
         self._drain_waiters: list[Future[None]] = []
-        self._is_stopped = False
+        self.dead_error: EngineDeadError | None = None  # set once, when the loop stops
         self._stop_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="dormant-async-llm", daemon=True)
         self._thread.start()
 
     @property
     def is_stopped(self) -> bool:
-        return self._is_stopped
+        return self.dead_error is not None
 
     @property
     def num_held(self) -> int:
@@ -88,8 +90,8 @@ class EngineLoop:
         """Queues ``fn`` without waiting (safe from any thread, and in a ``finally``)."""
         future = future or Future()
         with self._stop_lock:
-            if self._is_stopped:
-                _answer(future, error=EngineDeadError("the engine was shut down"))
+            if self.dead_error is not None:
+                _answer(future, error=self.dead_error)
                 return future
             self._commands.put((fn, future))
         return future
@@ -100,12 +102,12 @@ class EngineLoop:
         if mode != "wait":
             return await self.call(command)
         drained: Future[None] = Future()
-        await self.call(lambda: self._close_gate(drained))
-        try:
+        try:  # cancelled at any await, the gate still opens: commands run in order
+            await self.call(lambda: self._close_gate(drained))
             await asyncio.wrap_future(drained)
             return await self.call(command)
         finally:
-            await self.call(self._open_gate)
+            await self.call(lambda: self._open_gate(drained))
 
     def stop(self) -> None:
         """Fails every request and command with ``EngineDeadError`` and joins the thread."""
@@ -115,14 +117,23 @@ class EngineLoop:
     # ── on the loop thread ───────────────────────────────────────────────────────────────────
 
     def _run(self) -> None:
-        while not self._is_stopped:
+        try:
+            self._run_until_stopped()
+        except BaseException as error:  # a bug in the loop: fail everyone, don't strand them
+            dead = EngineDeadError(f"the engine loop failed ({error!r}); shut the engine down")
+            dead.__cause__ = error
+            self._fail_everything(dead)
+        self._drain_commands_after_stop()
+
+    def _run_until_stopped(self) -> None:
+        while not self.is_stopped:
             self._resolve_drain_waiters()  # before blocking: a drain may just have ended
             self._run_commands(block=not self._can_step())
             drained = self.engine.pop_drained_outputs()  # a command completed calls in flight
             if drained:
                 self.requests.deliver(drained)
             self._resolve_drain_waiters()
-            if self._is_stopped or not self._can_step():  # decided again, after the commands
+            if self.is_stopped or not self._can_step():  # decided again, after the commands
                 continue
             try:
                 finished = self.engine.step()
@@ -132,7 +143,6 @@ class EngineLoop:
                 continue
             self.requests.deliver(finished)
             self.requests.send_progress()
-        self._drain_commands_after_stop()
 
     def _can_step(self) -> bool:
         if not self.engine.has_unfinished_requests():
@@ -172,7 +182,9 @@ class EngineLoop:
         self._is_gate_closed = True
         self._drain_waiters.append(drained)
 
-    def _open_gate(self) -> None:
+    def _open_gate(self, drained: Future[None]) -> None:
+        if drained in self._drain_waiters:  # its caller was cancelled before the drain ended
+            self._drain_waiters.remove(drained)
         if self._drain_waiters:  # another drain is still waiting: it opens the gate
             return
         self._is_gate_closed = False
@@ -190,13 +202,21 @@ class EngineLoop:
     # ── stopping ─────────────────────────────────────────────────────────────────────────────
 
     def _stop(self) -> None:
+        try:
+            self.engine.abort_request()
+        finally:  # stopped even if the abort failed: ``stop`` joins the thread
+            self._fail_everything(EngineDeadError("the engine was shut down"))
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        """Stops: every request, held command and drain waiter gets ``error``; so do the
+        commands queued or submitted later (``_drain_commands_after_stop``, ``submit``)."""
         with self._stop_lock:
-            self._is_stopped = True
-        self.engine.abort_request()
-        self.requests.fail_all(EngineDeadError("the engine was shut down"))
-        for _, future in self._held:
-            _answer(future, error=EngineDeadError("the engine was shut down"))
-        self._held.clear()
+            self.dead_error = self.dead_error or error
+        self.requests.fail_all(error)
+        held, self._held = self._held, []
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for future in [f for _, f in held] + waiters:
+            _answer(future, error=error)
 
     def _drain_commands_after_stop(self) -> None:
         while True:
@@ -204,7 +224,7 @@ class EngineLoop:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
-            _answer(future, error=EngineDeadError("the engine was shut down"))
+            _answer(future, error=self.dead_error)
 
 
 def _answer(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:

@@ -10,6 +10,7 @@ hands each item to the task's queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -43,7 +44,11 @@ async def stream_outputs(
     loop = asyncio.get_running_loop()
 
     def listener(item: RequestOutput | BaseException) -> None:
-        loop.call_soon_threadsafe(items.put_nowait, item)
+        # The caller's event loop may close with the request running (``asyncio.run``
+        # returned): nobody listens then, and the request runs out or its queued abort ends
+        # it. Raising here would stop the loop thread, and every other caller with it.
+        with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+            loop.call_soon_threadsafe(items.put_nowait, item)
 
     tracked = TrackedRequest(user_id, listener, kind is not RequestOutputKind.FINAL_ONLY)
     finished = is_added = False
@@ -70,7 +75,7 @@ async def stream_outputs(
         if finished and not is_added:
             requests.forget(user_id)  # refused, or the loop never ran the add
         if not finished:  # cancelled or closed: no awaiting here, just queue the abort
-            engine_loop.submit(lambda: requests.abort_users([user_id]))
+            engine_loop.submit(lambda: requests.abort_tracked(tracked))
 
 
 def check_vllm_request_options(lora_request: Any, priority: int) -> None:

@@ -14,7 +14,6 @@ loop's closed gate); ``_cancelled`` holds those of them that were aborted before
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
 
+# Called on the loop thread; it must not raise (the loop serves every other caller too).
 Listener = Callable[[RequestOutput | BaseException], None]
 
 
@@ -65,23 +65,28 @@ class RequestTracker:
     def add(self, request: Any, tracked: TrackedRequest) -> Any:
         """Adds ``request`` (a ``RequestInput``, or ``(prompt, params)`` for engines without
         ``make_request_input``) and returns the engine's id for it. Raises, adding nothing,
-        if the caller's id is in flight or was aborted while held, or if the engine cannot
-        generate (asleep or stale weights; a pause alone lets the request wait)."""
+        if the caller's id is in flight, or if the engine cannot generate (asleep or stale
+        weights; a pause alone lets the request wait). Aborted while it was held, it is added
+        and aborted at once: its stream ends with an aborted output, as a running one's does."""
         self.forget(tracked.user_id)
-        if tracked.user_id in self._cancelled:  # aborted while it was held
-            self._cancelled.discard(tracked.user_id)
-            raise asyncio.CancelledError(f"request {tracked.user_id!r} was aborted")
+        is_aborted = tracked.user_id in self._cancelled
+        self._cancelled.discard(tracked.user_id)
         if tracked.user_id in self._user_ids:
-            raise ValueError(f"request id {tracked.user_id!r} is already in flight")
+            raise ValueError(
+                f"request id {tracked.user_id!r} is already in flight; give each running "
+                "request its own id"
+            )
         control = self.engine.sleep_control
-        if not (control.is_paused and control.is_fully_awake):  # a pause only: it waits
-            self.engine.check_can_generate()
+        if not is_aborted and not (control.is_paused and control.is_fully_awake):
+            self.engine.check_can_generate()  # a pause only: the request waits
         if isinstance(request, tuple):
             tracked.engine_id = self.engine.add_request(*request)
         else:
             tracked.engine_id = self.engine.add_request_input(request)
         self._tracked[str(tracked.engine_id)] = tracked
         self._user_ids[tracked.user_id] = str(tracked.engine_id)
+        if is_aborted:  # never scheduled: the abort lands before the next step
+            self.abort_engine_ids([tracked.engine_id])
         return tracked.engine_id
 
     def deliver(self, outputs: Sequence[RequestOutput]) -> None:
@@ -118,9 +123,19 @@ class RequestTracker:
         if ids is None or ids:
             self.deliver(self.engine.abort_request(ids))
 
+    def abort_tracked(self, tracked: TrackedRequest) -> None:
+        """Aborts ``tracked``'s request (its caller stopped listening), never another request
+        that has the same caller id; one whose add has not run yet is aborted when it runs."""
+        if tracked.engine_id is None:
+            with self._pending_lock:
+                if tracked.user_id in self._pending:
+                    self._cancelled.add(tracked.user_id)
+        elif self._tracked.get(str(tracked.engine_id)) is tracked:
+            self.abort_engine_ids([tracked.engine_id])
+
     def abort_users(self, user_ids: Sequence[str]) -> None:
         """Aborts by the callers' ids; one whose add has not run yet (held behind the gate) is
-        dropped when it runs. An id that finished or was never added changes nothing."""
+        aborted when it runs. An id that finished or was never added changes nothing."""
         keys = [self._user_ids[i] for i in user_ids if i in self._user_ids]
         self.abort_engine_ids([self._tracked[k].engine_id for k in keys])
         with self._pending_lock:
