@@ -29,6 +29,7 @@ from dormant.server.sglang_protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
 )
 from dormant.server.weights import check_finite, checked_weight_dir, weight_files
 
@@ -244,6 +245,22 @@ async def get_weight_version(request: Request) -> dict[str, Any]:
     engine = _serving(request).engine
     method = llm_method(engine, "get_weight_version")
     return {"weight_version": await engine.call(method)}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(
+    body: UpdateWeightVersionRequest, request: Request
+) -> dict[str, Any]:
+    """SGLang's: relabels the served weights (no weight changes) once no running request
+    could carry two labels: aborted first by default (``abort_all_requests``), else under the
+    refit policy."""
+    await _serving(request).engine.refit(
+        lambda: None,
+        policy="abort" if body.abort_all_requests else None,
+        weight_version=body.new_version,
+    )
+    return {**OK, "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version}  # fmt: skip
 
 
 async def _refit_through(request: Request, name: str, kwargs: dict[str, Any], body: Any) -> None:

@@ -4,12 +4,12 @@
 |---------------------------------------------------|----------------------|
 | /v1/completions, /v1/chat/completions, /v1/models, | ``openai_routes.py`` |
 | /tokenize, /detokenize                            |                      |
-| /generate, /health_generate                       | ``sglang_routes.py`` |
+| /generate, /abort_request, /health_generate       | ``sglang_routes.py`` |
 | vLLM's /sleep, /wake_up, /is_sleeping, /pause,    | ``admin_routes.py``  |
 | /resume, /reset_prefix_cache, /collective_rpc;    |                      |
 | SGLang's memory, pause and refit routes           |                      |
 | /health, /version, /server_info, /get_server_info, | here                 |
-| /metrics, /openapi.json (FastAPI's)               |                      |
+| /get_model_info, /metrics, /openapi.json          |                      |
 
 Every request first passes ``SecurityMiddleware`` (Host, Origin, API key, admin token,
 Content-Type, body size and time); errors are typed JSON (``errors.py``).
@@ -128,6 +128,18 @@ def _add_info_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
 
     app.add_api_route("/server_info", server_info, methods=["GET"], name="server_info")
     app.add_api_route("/get_server_info", server_info, methods=["GET"], name="get_server_info")
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        """SGLang's keys; ``model_path`` is the served name (no file system path is shown)."""
+        name = serving.model_name
+        return {
+            "model_path": name,
+            "tokenizer_path": name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+        }
 
     @app.get("/metrics")
     async def get_metrics(request: Request) -> Response:

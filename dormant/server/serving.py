@@ -6,6 +6,7 @@ streaming several prompts as one request (all or none: a refusal cancels the res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ class Serving:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="dormant-http-tokenize")
         self.last_activity = time.monotonic()
         self.num_in_flight = 0
+        self._running_ids: set[str] = set()  # engine ids of open generations, for ``abort``
 
     @property
     def model_name(self) -> str:
@@ -164,9 +166,7 @@ class Serving:
         (asleep, invalid) raises here, before any reply is sent; closes them all on error."""
         await self.ensure_awake()
         generators: list[Any] = [
-            self.engine.generate(
-                {"prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}"
-            ).__aiter__()
+            self._generate(p, params, request_id, f"{request_id}-{i}").__aiter__()
             for i, p in enumerate(prompts)
         ]
         firsts = await asyncio.gather(*(g.__anext__() for g in generators), return_exceptions=True)
@@ -175,6 +175,32 @@ class Serving:
             await asyncio.gather(*(g.aclose() for g in generators), return_exceptions=True)
             raise errors[0]
         return list(zip(firsts, generators, strict=True))  # type: ignore[arg-type]
+
+    async def _generate(
+        self, prompt: Prepared, params: SamplingParams, request_id: str, engine_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's stream, with ``engine_id`` listed for ``abort`` while it is open."""
+        if engine_id in self._running_ids:
+            raise BadRequestError(
+                f"a running request already has the id {request_id!r}; give each request its "
+                "own rid (or none: the server makes one)"
+            )
+        self._running_ids.add(engine_id)
+        try:
+            prompt_in = {"prompt_token_ids": prompt.token_ids}
+            stream: Any = self.engine.generate(prompt_in, params, engine_id)  # a generator
+            async with contextlib.aclosing(stream):  # closing it aborts the request at once
+                async for output in stream:
+                    yield output
+        finally:
+            self._running_ids.discard(engine_id)
+
+    async def abort(self, request_id: str | None) -> None:
+        """Aborts the requests started under ``request_id`` (every request when None); they
+        answer with what they generated so far and finish_reason "abort". An id that is not
+        running (it may have just finished) changes nothing."""
+        ids = [i for i in self._running_ids if request_id in (None, i.rpartition("-")[0])]
+        await self.engine.abort(ids)
 
     async def run(
         self,

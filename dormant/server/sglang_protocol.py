@@ -3,9 +3,9 @@ strict like the OpenAI ones: an unknown field is a 400, not silently dropped."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.server.protocol import (
@@ -27,7 +27,7 @@ class SGLangSamplingParams(Strict):
     dormant's detokenizer is the fast one). slime sends ``False`` with every rollout request.
     """
 
-    max_new_tokens: int | None = Field(default=128, ge=1)
+    max_new_tokens: int | None = Field(default=128, ge=0)  # 0: prefill only (prompt logprobs)
     min_new_tokens: int = Field(default=0, ge=0)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -80,6 +80,24 @@ class GenerateRequest(Strict):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: RequestId | None = None
+
+    @field_validator("return_logprob", "logprob_start_len", "top_logprobs_num", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """``null`` means the default, as in SGLang (its fields are Optional)."""
+        return cls.model_fields[str(info.field_name)].default if value is None else value
+
+
+class AbortRequest(Strict):
+    """``POST /abort_request``: one ``/generate`` call's requests by its ``rid``, or all."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class UpdateWeightVersionRequest(Strict):
+    new_version: Annotated[str, Field(min_length=1)]
+    abort_all_requests: bool = True
 
 
 class TagsRequest(Strict):

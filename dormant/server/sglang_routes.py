@@ -1,4 +1,5 @@
-"""SGLang's native ``/generate`` (and ``/health_generate``), in SGLang's reply shape:
+"""SGLang's native ``/generate`` (with ``/abort_request`` and ``/health_generate``), in SGLang's
+reply shape:
 
     {"text": ..., "output_ids": [...], "meta_info": {
         "id", "finish_reason": {"type": "length", "length": N} | {"type": "stop", "matched": x}
@@ -14,6 +15,7 @@ major. Streams (``"stream": true``) send the cumulative object per step, then ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -27,7 +29,7 @@ from dormant.engine.outputs import CompletionOutput, RequestOutput
 from dormant.server.errors import BadRequestError, error_body, status_of
 from dormant.server.responses import token_texts
 from dormant.server.serving import Prepared, Serving
-from dormant.server.sglang_protocol import GenerateRequest, SGLangSamplingParams
+from dormant.server.sglang_protocol import AbortRequest, GenerateRequest, SGLangSamplingParams
 
 router = APIRouter()
 
@@ -50,9 +52,10 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     prompts = [await serving.prepare(item) for item in items]
     logprobs = body.top_logprobs_num if body.return_logprob else None
     prompt_logprobs = logprobs if body.return_logprob and body.logprob_start_len >= 0 else None
-    max_tokens = serving.max_tokens(prompts, sampling.max_new_tokens)
+    is_prefill_only = sampling.max_new_tokens == 0
+    max_tokens = serving.max_tokens(prompts, 1 if is_prefill_only else sampling.max_new_tokens)
     params = sampling.to_vllm(max_tokens, logprobs, prompt_logprobs)
-    job = _Generate(serving, body, prompts, body.rid or uuid.uuid4().hex)
+    job = _Generate(serving, body, prompts, body.rid or uuid.uuid4().hex, is_prefill_only)
     is_list = is_batch or params.n > 1
     if body.stream:
         started = await serving.streams(prompts, params, job.rid)
@@ -60,6 +63,17 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     outputs = await serving.run(prompts, params, job.rid, request.is_disconnected)
     replies = [job.reply(p, o, c) for p, o in enumerate(outputs) for c in o.outputs]
     return replies if is_list else replies[0]
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> Response:
+    """SGLang's: aborts the ``/generate`` call with this ``rid`` (all its prompts and samples;
+    SGLang matches any rid it prefixes, dormant the call's own), or every request. They answer
+    with what they generated so far and finish_reason ``{"type": "abort"}``."""
+    if not body.abort_all and not body.rid:
+        raise BadRequestError('give the rid of a /generate call, or "abort_all": true')
+    await request.app.state.serving.abort(None if body.abort_all else body.rid)
+    return Response(status_code=200)
 
 
 @router.get("/health_generate")
@@ -72,13 +86,23 @@ async def health_generate(request: Request) -> Response:
 
 
 class _Generate:
-    def __init__(self, serving: Serving, body: GenerateRequest, prompts: list[Prepared], rid: str):
+    def __init__(
+        self,
+        serving: Serving,
+        body: GenerateRequest,
+        prompts: list[Prepared],
+        rid: str,
+        is_prefill_only: bool,
+    ) -> None:
         self.serving, self.body, self.prompts, self.rid = serving, body, prompts, rid
+        self.is_prefill_only = is_prefill_only
         self.started = time.perf_counter()
         self.tokenizer = serving.engine.tokenizer
         self.version = serving.engine.weight_version
 
     def reply(self, p: int, output: RequestOutput, completion: CompletionOutput) -> dict[str, Any]:
+        if self.is_prefill_only:
+            completion = _unsampled(completion)
         meta: dict[str, Any] = {
             "id": f"{self.rid}-{p}-{completion.index}" if len(self.prompts) > 1 else self.rid,
             "finish_reason": _finish_reason(completion),
@@ -134,6 +158,20 @@ class _Generate:
             body = error_body(str(error), type(error).__name__, status_of(error))
             yield format_sse_event(data_str=json.dumps(body))
         yield format_sse_event(data_str="[DONE]")
+
+
+def _unsampled(completion: CompletionOutput) -> CompletionOutput:
+    """SGLang's ``max_new_tokens=0`` (slime scores a prompt with it): the request ran with one
+    token, which is dropped; it finishes by length 0 (or by an abort)."""
+    reason = completion.finish_reason
+    return dataclasses.replace(
+        completion,
+        text="",
+        token_ids=[],
+        logprobs=None if completion.logprobs is None else [],
+        finish_reason=reason if reason in (None, "abort") else "length",
+        stop_reason=None,
+    )
 
 
 def _finish_reason(completion: CompletionOutput) -> dict[str, Any] | None:

@@ -1,0 +1,131 @@
+"""SGLang's routes as the RL frameworks call them (slime's ``sglang_engine.py``,
+``sglang_rollout.py``, ``server_control.py``, ``on_policy_distillation.py``; verl's
+``http_server_engine.py``): the request forms they send and the fields they read back."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.server.conftest import PROMPTS
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def slowed(server) -> None:
+    """Each engine step takes 20 ms, so a long request is still running when it is aborted."""
+    engine = server.engine.engine
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.02), step())[1]
+
+
+def wait_running(server, num_requests: int) -> None:
+    for _ in range(300):
+        if server.engine.num_requests == num_requests:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{server.engine.num_requests} requests running, not {num_requests}")
+
+
+def long_generate(server, **fields: Any):
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 240, **GREEDY}}
+    return server.post("/generate", {**body, **fields})
+
+
+@pytest.mark.parametrize("abort", [{"rid": "rollout-7"}, {"abort_all": True}])
+def test_abort_request_ends_running_generations_with_finish_reason_abort(server, abort) -> None:
+    # slime's rollout ends with /abort_request {"abort_all": true} (server_control.py); its agent
+    # adapters abort one turn by {"rid": rid}. SGLang answers 200 with an empty body, and the
+    # aborted /generate answers 200 with what it generated and finish_reason type "abort".
+    slowed(server)
+    with ThreadPoolExecutor(2) as pool:
+        mine = pool.submit(long_generate, server, rid="rollout-7", input_ids=PROMPTS[:2])
+        other = pool.submit(long_generate, server, rid="rollout-70")
+        wait_running(server, 3)
+        reply = server.post("/abort_request", abort)
+        assert reply.status_code == 200, reply.text
+        for output in mine.result(timeout=4).json():
+            assert output["meta_info"]["finish_reason"]["type"] == "abort"
+            assert len(output["output_ids"]) < 240
+        if "rid" in abort:  # another call's rid, even one the rid prefixes, runs on
+            assert server.engine.num_requests == 1
+            server.post("/abort_request", {"rid": "rollout-70"})
+        assert other.result(timeout=4).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert server.post("/abort_request", {"rid": "gone"}).status_code == 200  # finished: a no-op
+    reply = server.post("/abort_request", {})
+    assert reply.status_code == 400 and "abort_all" in reply.json()["error"]["message"]
+
+
+def test_a_rid_already_running_is_refused_and_the_first_request_stays_abortable(server) -> None:
+    slowed(server)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(long_generate, server, rid="dup")
+        wait_running(server, 1)
+        reply = long_generate(server, rid="dup")
+        assert reply.status_code == 400 and "dup" in reply.json()["error"]["message"]
+        assert server.post("/abort_request", {"rid": "dup"}).status_code == 200
+        assert first.result(timeout=4).json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_max_new_tokens_zero_scores_the_prompt(server) -> None:
+    # slime's on-policy distillation asks the teacher for the prompt's logprobs this way, and
+    # reads meta_info.input_token_logprobs[1:].
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    reply = server.post("/generate", body)
+    assert reply.status_code == 200, reply.text
+    output = reply.json()
+    meta = output["meta_info"]
+    assert output["output_ids"] == [] and output["text"] == ""
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == PROMPTS[0] and entries[0][0] is None
+    assert all(e[0] <= 0 for e in entries[1:])
+    one_token = {"max_new_tokens": 1, "temperature": 0}
+    scored = server.post("/generate", {**body, "sampling_params": one_token}).json()
+    assert scored["meta_info"]["input_token_logprobs"] == entries
+
+
+def test_null_logprob_fields_mean_sglangs_defaults(server) -> None:
+    body = {
+        "input_ids": PROMPTS[1],
+        "sampling_params": {"max_new_tokens": 3, **GREEDY},
+        "return_logprob": None,
+        "logprob_start_len": None,
+        "top_logprobs_num": None,
+    }
+    reply = server.post("/generate", body)
+    assert reply.status_code == 200, reply.text
+    assert "output_token_logprobs" not in reply.json()["meta_info"]
+    reply = server.post("/generate", {**body, "return_logprob": True})
+    assert len(reply.json()["meta_info"]["output_token_logprobs"]) == 3
+
+
+def test_update_weight_version_relabels_the_weights(server) -> None:
+    reply = server.post("/update_weight_version", {"new_version": "step-3"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {
+        "success": True,
+        "message": "Weight version updated to step-3",
+        "new_version": "step-3",
+    }
+    assert server.get("/get_weight_version").json() == {"weight_version": "step-3"}
+    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2, **GREEDY}}
+    assert server.post("/generate", body).json()["meta_info"]["weight_version"] == "step-3"
+    reply = server.post("/update_weight_version", {"version": "x"})
+    assert reply.status_code == 400
+    assert server.get("/get_weight_version").json() == {"weight_version": "step-3"}
+
+
+def test_get_model_info(server) -> None:
+    info = server.get("/get_model_info").json()
+    assert info["is_generation"] is True and info["model_path"] == "tiny"
+    assert info["weight_version"] == server.get("/get_weight_version").json()["weight_version"]
