@@ -158,12 +158,25 @@ class AsyncLLM(EngineClientHealth):
         """vLLM's: whether ``pause_generation`` stopped scheduling (until resumed)."""
         return bool(await self._engine_loop.call(lambda: self.engine.sleep_control.is_paused))
 
-    async def pause_generation(self, mode: str = "abort") -> None:
+    async def pause_generation(
+        self,
+        mode: str = "abort",
+        *,
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
         """vLLM's ``pause_generation``: ``abort`` finishes running requests, ``wait`` lets them
-        finish first, ``keep`` freezes them until ``resume_generation``. New requests wait."""
+        finish first, ``keep`` freezes them until ``resume_generation``. New requests wait.
+        ``wait_for_inflight_requests=True`` is vLLM's older spelling of ``mode="wait"``;
+        ``clear_cache`` then drops the cached prefix blocks, as vLLM's does (the blocks of kept
+        requests stay theirs)."""
+        if wait_for_inflight_requests:
+            mode = "wait"
         await self._engine_loop.settled(
             mode, lambda: self._requests.deliver(self.engine.pause(mode))
         )
+        if clear_cache:
+            await self.reset_prefix_cache()
 
     async def resume_generation(self) -> None:
         await self._engine_loop.call(self.engine.resume)

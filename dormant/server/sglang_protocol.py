@@ -44,6 +44,22 @@ class SGLangSamplingParams(Strict):
     no_stop_trim: bool = False
     n: int = Field(default=1, ge=1, le=128)
     sampling_seed: int | None = None
+    custom_params: dict[str, Any] | None = None  # SGLang's custom logit processor's: refused
+
+    @field_validator("custom_params")
+    @classmethod
+    def _no_custom_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """SGLang passes ``custom_params`` to a custom logit processor; slime sends
+        ``{"return_top_p_token_ids": true}`` whenever top_p < 1, for its top-p replay, which
+        needs its patched SGLang's reply keys. dormant has neither: refused, not ignored, so
+        that the trainer does not silently train without the replay."""
+        if value:
+            raise ValueError(
+                f"custom_params {sorted(value)} are not supported: dormant runs no custom logit "
+                "processors and returns no top-p token ids (slime's top-p replay); send no "
+                "custom_params (slime: --rollout-top-p 1.0)"
+            )
+        return value
 
     def to_vllm(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None):
         return SamplingParams(

@@ -274,3 +274,26 @@ def test_generate_after_shutdown_raises_engine_dead_error(model_dir) -> None:
 
     asyncio.run(run())
     assert engine.errored
+
+
+def test_pause_generation_takes_vllms_keywords(engine) -> None:
+    """vllm/v1/engine/async_llm.py ``pause_generation(*, mode, wait_for_inflight_requests,
+    clear_cache=True)`` (SkyRL and PRIME-RL pass the keywords; they raised TypeError):
+    ``wait_for_inflight_requests=False`` aborts the running request, ``True`` lets it finish,
+    and ``clear_cache`` drops the cached prefix blocks."""
+    cache = engine.engine.scheduler.block_manager.prefix_cache_stats
+
+    async def run() -> tuple[str | None, str | None, int]:
+        running = await first_output_then(engine, greedy(200), "aborted")
+        await engine.pause_generation(wait_for_inflight_requests=False, clear_cache=False)
+        aborted = (await asyncio.wait_for(running, HANG_S))[-1].outputs[0].finish_reason
+        resets = cache().num_resets
+        await engine.resume_generation()
+        running = await first_output_then(engine, greedy(6), "finished")
+        await engine.pause_generation(wait_for_inflight_requests=True)
+        finished = (await asyncio.wait_for(running, HANG_S))[-1].outputs[0].finish_reason
+        await engine.resume_generation()
+        return aborted, finished, cache().num_resets - resets
+
+    aborted, finished, num_resets = asyncio.run(run())
+    assert (aborted, finished, num_resets) == ("abort", "length", 1)

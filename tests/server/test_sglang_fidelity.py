@@ -129,3 +129,17 @@ def test_get_model_info(server) -> None:
     info = server.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"] == "tiny"
     assert info["weight_version"] == server.get("/get_weight_version").json()["weight_version"]
+
+
+def test_custom_params_are_refused_with_what_to_do(server) -> None:
+    """slime sends ``custom_params: {"return_top_p_token_ids": true}`` whenever top_p < 1 (its
+    top-p replay, a patched SGLang's): a 400 that names it and says what to send, not pydantic's
+    generic "extra inputs are not permitted"; an empty one is SGLang's default."""
+    sampling = {"max_new_tokens": 2, **GREEDY}
+    body = {"input_ids": PROMPTS[1], "sampling_params": sampling}
+    reply = server.post("/generate", {**body, "sampling_params": {**sampling, "custom_params": {}}})
+    assert reply.status_code == 200, reply.text
+    custom = {"custom_params": {"return_top_p_token_ids": True}}
+    reply = server.post("/generate", {**body, "sampling_params": {**sampling, **custom}})
+    assert reply.status_code == 400
+    assert "return_top_p_token_ids" in reply.text and "rollout-top-p 1.0" in reply.text
