@@ -124,12 +124,14 @@ class _Generate:
         ids = list(completion.token_ids)
         positions = completion.logprobs or []
         chosen = [[pos[t].logprob, t, None] for t, pos in zip(ids, positions, strict=False)]
-        top = [
-            [[lp.logprob, t, None] for t, lp in sorted(pos.items(), key=lambda i: i[1].rank or 0)
-             if lp.rank is not None and lp.rank <= self.body.top_logprobs_num]
-            for pos in positions
-        ]  # fmt: skip
-        result: dict[str, Any] = {"output_token_logprobs": chosen, "output_top_logprobs": top}
+        result: dict[str, Any] = {"output_token_logprobs": chosen}
+        if self.body.top_logprobs_num > 0:  # as SGLang: the key only when asked for
+            num = self.body.top_logprobs_num
+            by_rank = [sorted(pos.items(), key=lambda i: i[1].rank or 0) for pos in positions]
+            result["output_top_logprobs"] = [
+                [[lp.logprob, t, None] for t, lp in ranked if 0 < (lp.rank or 0) <= num]
+                for ranked in by_rank
+            ]
         if self.body.logprob_start_len >= 0:
             prompt_ids = list(output.prompt_token_ids)
             prompt_lps = output.prompt_logprobs or [None] * len(prompt_ids)

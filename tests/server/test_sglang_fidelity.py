@@ -106,7 +106,11 @@ def test_null_logprob_fields_mean_sglangs_defaults(server) -> None:
     assert reply.status_code == 200, reply.text
     assert "output_token_logprobs" not in reply.json()["meta_info"]
     reply = server.post("/generate", {**body, "return_logprob": True})
-    assert len(reply.json()["meta_info"]["output_token_logprobs"]) == 3
+    meta = reply.json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 3
+    assert "output_top_logprobs" not in meta  # SGLang sends it only with top_logprobs_num > 0
+    reply = server.post("/generate", {**body, "return_logprob": True, "top_logprobs_num": 2})
+    assert [len(top) for top in reply.json()["meta_info"]["output_top_logprobs"]] == [2] * 3
 
 
 def test_update_weight_version_relabels_the_weights(server) -> None:
