@@ -40,7 +40,7 @@ async def stream_outputs(
     ``user_id``, until one is finished; an error the loop hands over is raised. Closed or
     cancelled before that, it queues the request's abort (without awaiting: this may run in
     a generator's finalizer). A request refused when added needs no abort."""
-    items: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+    newest = Newest()
     loop = asyncio.get_running_loop()
 
     def listener(item: RequestOutput | BaseException) -> None:
@@ -48,7 +48,7 @@ async def stream_outputs(
         # returned): nobody listens then, and the request runs out or its queued abort ends
         # it. Raising here would stop the loop thread, and every other caller with it.
         with contextlib.suppress(RuntimeError):  # "Event loop is closed"
-            loop.call_soon_threadsafe(items.put_nowait, item)
+            loop.call_soon_threadsafe(newest.put, item)
 
     tracked = TrackedRequest(user_id, listener, kind is not RequestOutputKind.FINAL_ONLY)
     finished = is_added = False
@@ -58,7 +58,7 @@ async def stream_outputs(
         await engine_loop.call(lambda: requests.add(request, tracked), holdable=True)
         is_added = True
         while not finished:
-            item = await items.get()
+            item = await newest.get()
             if isinstance(item, BaseException):
                 finished = True
                 raise item
@@ -76,6 +76,31 @@ async def stream_outputs(
             requests.forget(user_id)  # refused, or the loop never ran the add
         if not finished:  # cancelled or closed: no awaiting here, just queue the abort
             engine_loop.submit(lambda: requests.abort_tracked(tracked))
+
+
+class Newest:
+    """The newest item of one stream that its reader has not taken yet. Outputs are cumulative,
+    so a newer one makes an unread older one redundant: a slow reader holds one output, not one
+    per step (each a copy of the prompt and the tokens so far), as vLLM's
+    ``RequestOutputCollector`` merges them. The last item (an error, or the finished output) is
+    never replaced. On the caller's loop."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._is_ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._item
+        if not (isinstance(last, BaseException) or (last is not None and last.finished)):
+            self._item = item
+        self._is_ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._is_ready.wait()
+        self._is_ready.clear()
+        item, self._item = self._item, None
+        assert item is not None
+        return item
 
 
 def check_vllm_request_options(lora_request: Any, priority: int) -> None:

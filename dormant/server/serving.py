@@ -236,17 +236,25 @@ class Serving:
         self, started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as each stream produces them; cancelling the
-        consumer cancels (and so aborts) every stream."""
-        items: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        consumer cancels (and so aborts) every stream. A slow consumer gets each stream's newest
+        output (it holds all of the older ones), so at most one waits per stream."""
+        newest: dict[int, RequestOutput] = {}  # per stream, its newest output not yet taken
+        # An index: newest[index] is ready; (index, error), (index, None): the stream ended.
+        items: asyncio.Queue[int | tuple[int, BaseException | None]] = asyncio.Queue()
+
+        def put(index: int, output: RequestOutput) -> None:
+            if index not in newest:
+                items.put_nowait(index)
+            newest[index] = output
 
         async def pump(index: int, first: RequestOutput, rest: AsyncIterator[RequestOutput]):
-            await items.put((index, first))
+            put(index, first)
             try:
                 async for output in rest:
-                    await items.put((index, output))
+                    put(index, output)
             except BaseException as error:
-                await items.put((index, error))
-            await items.put((index, None))
+                items.put_nowait((index, error))
+            items.put_nowait((index, None))
 
         with self.metrics.track_request(self):
             tasks = [asyncio.ensure_future(pump(i, f, r)) for i, (f, r) in enumerate(started)]
@@ -254,12 +262,13 @@ class Serving:
             finals: list[RequestOutput] = []
             try:
                 while num_open:
-                    index, item = await items.get()
-                    if item is None:
+                    ready = await items.get()
+                    if isinstance(ready, tuple):
+                        if ready[1] is not None:
+                            raise ready[1]
                         num_open -= 1
                         continue
-                    if isinstance(item, BaseException):
-                        raise item
+                    index, item = ready, newest.pop(ready)
                     if item.finished:
                         finals.append(item)
                     yield index, item

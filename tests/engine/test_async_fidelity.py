@@ -25,6 +25,7 @@ OPTIONS = dict(
 )
 PROMPT = [5, 17, 99, 3, 250, 42]
 HANG_S = 60  # only a hang reaches it
+HELD: list[HeldSteps] = []  # the steps held by the running test, freed at its teardown
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -42,6 +43,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(model_dir: Path) -> Iterator[AsyncLLM]:
     engine = AsyncLLM(str(model_dir), enable_sleep_mode=True, **OPTIONS)
     yield engine
+    while HELD:  # a test that failed while holding steps must not hang the shutdown
+        HELD.pop().free()
     engine.shutdown()
 
 
@@ -50,6 +53,7 @@ class HeldSteps:
     queued meanwhile run one step apart, when the test says."""
 
     def __init__(self, engine: AsyncLLM, is_held: Callable[[], bool]) -> None:
+        HELD.append(self)
         self.is_held = is_held
         self.is_free = threading.Event()
         self._tickets = threading.Semaphore(0)
@@ -297,3 +301,61 @@ def test_pause_generation_takes_vllms_keywords(engine) -> None:
 
     aborted, finished, num_resets = asyncio.run(run())
     assert (aborted, finished, num_resets) == ("abort", "length", 1)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_a_slow_reader_holds_the_newest_output_not_one_per_step(engine, kind: str) -> None:
+    """Regression: every step's cumulative output (a copy of the prompt and of the tokens so
+    far) was queued for a reader that did not read, memory growing with the square of the
+    length. Now an unread output is replaced by the newer one (vLLM's RequestOutputCollector
+    merges the same way): a reader back after the request finished gets one output, and the
+    deltas still add up to the whole."""
+    from dormant.core.sampling_params import RequestOutputKind
+
+    output_kind = RequestOutputKind.DELTA if kind == "delta" else RequestOutputKind.CUMULATIVE
+
+    async def run() -> tuple[list[int], int]:
+        stream = engine.generate(PROMPT, greedy(24), "slow", output_kind=output_kind)
+        first = await asyncio.wait_for(anext(stream), HANG_S)
+        await asyncio.wait_for(until(lambda: engine.num_requests == 0), HANG_S)
+        rest = [output async for output in stream]  # the reader comes back
+        pieces = [first, *rest] if kind == "delta" else [rest[-1]]
+        return [t for o in pieces for t in o.outputs[0].token_ids], len(rest)
+
+    tokens, num_after = asyncio.run(run())
+    assert num_after == 1 and len(tokens) == 24
+    whole = asyncio.run(_collect_tokens(engine, greedy(24), "whole"))
+    assert tokens == whole
+
+
+async def _collect_tokens(engine: AsyncLLM, params: SamplingParams, request_id: str) -> list[int]:
+    outputs = [o async for o in engine.generate(PROMPT, params, request_id)]
+    return list(outputs[-1].outputs[0].token_ids)
+
+
+def test_the_newest_slot_never_replaces_a_last_item() -> None:
+    """``Newest``: a newer output replaces an unread one; the finished output and an error are
+    last and stay (an engine stopping right after a request finished must not turn its result
+    into an error)."""
+    from dormant.engine.outputs import RequestOutput
+    from dormant.engine.request_stream import Newest
+
+    def output(finished: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], None, [], finished)
+
+    async def run() -> list[object]:
+        slot, taken = Newest(), []
+        running, newer, final = output(False), output(False), output(True)
+        slot.put(running)
+        slot.put(newer)
+        taken.append(await slot.get())
+        slot.put(final)
+        slot.put(EngineDeadError("stopped"))
+        taken.append(await slot.get())
+        error = EngineDeadError("failed")
+        slot.put(error)
+        slot.put(output(False))
+        taken.append(await slot.get())
+        return [taken[0] is newer, taken[1] is final, taken[2] is error]
+
+    assert asyncio.run(run()) == [True, True, True]

@@ -115,7 +115,8 @@ def test_streams_are_cumulative_by_default_and_deltas_add_up(engine) -> None:
     cumulative, deltas, final = asyncio.run(run())
     whole = cumulative[-1].outputs[0]
     assert cumulative[-1].request_id == "a" and cumulative[-1].finished
-    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 9))
+    lengths = [len(o.outputs[0].token_ids) for o in cumulative]  # a step each, unless the
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 8  # reader fell behind (merged)
     assert [t for d in deltas for t in d.outputs[0].token_ids] == list(whole.token_ids)
     assert "".join(d.outputs[0].text for d in deltas) == whole.text
     assert len(final) == 1 and list(final[0].outputs[0].token_ids) == list(whole.token_ids)
@@ -338,7 +339,8 @@ def test_output_kind_comes_from_the_sampling_params(engine) -> None:
     params = greedy(6)
     params.output_kind = RequestOutputKind.DELTA
     outputs = asyncio.run(collect(engine, PROMPTS[0], params, "k"))
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 6
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]  # deltas: one token a step, or
+    assert sum(lengths) == 6 and min(lengths) >= 1  # several once a slow reader's were merged
 
 
 def test_an_id_is_free_again_once_its_request_was_aborted(engine, slow_steps) -> None:

@@ -139,3 +139,44 @@ def test_empty_batches_and_lone_surrogates_are_validation_errors(server, route, 
     )
     refused(response, "invalid request")
     assert server.engine.num_requests == 0
+
+
+def test_a_slow_streaming_client_holds_each_streams_newest_output_only() -> None:
+    """Regression: ``Serving.merged`` queued every step's cumulative output of every stream
+    for a client that did not read (memory growing with the square of the length). Now an
+    unread output is replaced by its stream's newer one, and the order of the streams' ends,
+    the finished outputs and an error are kept."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from dormant.engine.outputs import CompletionOutput, RequestOutput
+    from dormant.server.serving import Serving
+
+    def output(num_tokens: int, finished: bool) -> RequestOutput:
+        completion = CompletionOutput(index=0, text="", token_ids=list(range(num_tokens)),
+                                      cumulative_logprob=None, logprobs=None)  # fmt: skip
+        return RequestOutput("r", None, [1], None, [completion], finished)
+
+    async def stream(num_steps: int):
+        for step in range(2, num_steps + 1):
+            await asyncio.sleep(0)  # a step
+            yield output(step, step == num_steps)
+
+    counted: list[RequestOutput] = []
+    metrics = SimpleNamespace(track_request=lambda serving: contextlib.nullcontext(),
+                              count_outputs=counted.extend)  # fmt: skip
+    host = SimpleNamespace(metrics=metrics)
+
+    async def run() -> list[tuple[int, int, bool]]:
+        started = [(output(1, False), stream(50)), (output(1, False), stream(30))]
+        merged = Serving.merged(host, started)  # type: ignore[arg-type]
+        seen = [await anext(merged)]
+        for _ in range(200):  # the client reads nothing while both streams run out
+            await asyncio.sleep(0)
+        seen += [item async for item in merged]
+        return [(index, len(o.outputs[0].token_ids), o.finished) for index, o in seen]
+
+    seen = asyncio.run(run())  # 80 outputs before the fix
+    assert len(seen) <= 4 and sorted(o for o in seen if o[2]) == [(0, 50, True), (1, 30, True)]
+    assert len(counted) == 2

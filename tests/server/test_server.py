@@ -72,7 +72,8 @@ def test_streams_add_up_to_the_whole(server, expected) -> None:
     for chunk in chunks[:-1]:
         (choice,) = chunk["choices"]
         streamed[choice["index"]] += choice["token_ids"]
-    assert streamed == expected["a"] and len(chunks) > 2 * len(PROMPTS)
+    # At least each prompt's first token and the rest (a slow reader gets the newest output).
+    assert streamed == expected["a"] and len(chunks) >= 2 * len(PROMPTS) + 1
     text = {"prompt": "hello wörld", **GREEDY, "max_tokens": 24, "temperature": 0.8, "seed": 3}
     whole = server.post("/v1/completions", text).json()["choices"][0]["text"]
     pieces = events(server, "/v1/completions", {**text, "stream": True})
