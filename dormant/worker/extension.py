@@ -46,8 +46,8 @@ def resolve_qualname(qualname: str) -> type:
 def extended_worker_class(base: type, qualname: str) -> type:
     """``base`` with the extension's methods mixed in; WorkerExtensionError on a conflict."""
     extension = resolve_qualname(qualname)
-    conflicts = [
-        name for name in vars(extension) if not name.startswith("__") and hasattr(base, name)
+    conflicts = [  # dir: what the extension inherits counts too, as in vLLM
+        name for name in dir(extension) if not name.startswith("__") and hasattr(base, name)
     ]
     if conflicts:
         raise WorkerExtensionError(

@@ -15,6 +15,7 @@ before writing any.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import cast
 
 import torch
@@ -127,11 +128,12 @@ class Refitter:
         load_format: str | None = None,
     ) -> tuple[str, ...]:
         """Receives a broadcast from the trainer (rank 0 of the group) in bounded buckets; the
-        draft's names as ``update_weights`` takes them."""
-        self._check_writable("update_weights_from_distributed")
+        draft's names as ``update_weights`` takes them. Refused while the weights are asleep
+        with the broadcasts received and dropped, so the group stays in step."""
         names_written = self.groups.update_weights_from_distributed(
             self._model(), names, dtypes, shapes, group_name, load_format=load_format,
             draft=self._draft(),
+            check_writable=partial(self._check_writable, "update_weights_from_distributed"),
         )  # fmt: skip
         return _sorted(names_written)
 

@@ -19,15 +19,16 @@ Receiving, per ``update_weights_from_distributed`` call::
 Every tensor goes through a ``load_weights`` call fed by a generator (one call, or one per run
 of consecutive names of the target or of speculative decoding's draft, ``weight_routes.py``), so
 a broadcast that fails or times out partway fails such a call, and the model's observer marks
-every weight stale. A request whose names or shapes do not fit is refused before anything is
-written; its broadcasts are still received (and dropped) so the trainer is not left blocked. A
+every weight stale. A request whose names or shapes do not fit, or that comes while the weights
+are asleep, is refused before anything is written; its broadcasts are still received (and
+dropped), so the trainer is not left blocked and the next request does not receive them. A
 failed broadcast destroys the group: the trainer must create it again.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
+from dormant.core.errors import EngineAsleepError
 from dormant.models import CausalLM, WeightError
 from dormant.worker.ipc_weights import DEFAULT_BUCKET_BYTES, FLATTENED_BUCKET
 from dormant.worker.transfer_errors import UpdateGroupError, WeightTransferError
@@ -170,24 +172,29 @@ class WeightUpdateGroups:
         *,
         load_format: str | None = None,
         draft: Draft | None = None,
+        check_writable: Callable[[], None] = lambda: None,
     ) -> set[str]:
         """Receives rank 0's broadcast of each named tensor and loads it into ``model``, or into
         ``draft`` for the names speculative decoding's draft owns (``weight_routes.py``);
-        returns the names written, as the rank's record has them. Raises ``WeightError``
-        (nothing written, the broadcasts were drained) when a name, shape or dtype does not
-        fit, ``WeightTransferError`` (every weight marked stale, the group destroyed) when a
-        broadcast fails or times out, and ``UpdateGroupError`` for an unknown group, format or
-        malformed lists (nothing received or written)."""
+        returns the names written, as the rank's record has them. Raises ``WeightError`` when a
+        name, shape or dtype does not fit, or ``check_writable``'s ``EngineAsleepError`` (both:
+        nothing written, the broadcasts were drained), ``WeightTransferError`` (every weight
+        marked stale, the group destroyed) when a broadcast fails or times out, and
+        ``UpdateGroupError`` for an unknown group, format or malformed lists (nothing received
+        or written)."""
         group = self.group(group_name)
         specs = _specs(names, dtypes, shapes)
         if load_format not in (None, FLATTENED_BUCKET):
             raise UpdateGroupError(f"load_format={load_format!r}: use None or {FLATTENED_BUCKET!r}")
         routes = WeightRoutes(model, draft)
         try:
+            check_writable()
             routes.check_weights([(s.name, s.shape, s.dtype) for s in specs])
-        except WeightError:
+        except (EngineAsleepError, WeightError):
+            # Keep in step with the trainer, which is broadcasting them: left unreceived, they
+            # would be the next request's tensors. Nothing is written.
             for _ in self._receive(group_name, group, specs, load_format):
-                pass  # keep in step with the trainer; nothing is written
+                pass
             raise
         return routes.load_weights(self._receive(group_name, group, specs, load_format))
 

@@ -287,7 +287,8 @@ def create_worker(
     """A worker of ``config``'s class: ``Worker``, with ``worker_extension_cls`` mixed in."""
     qualname = config.worker_extension_cls
     cls = Worker if qualname is None else extended_worker_class(Worker, qualname)
-    return cls(config, rank, world_size, local_rank)
+    # Keywords only, as vLLM builds its workers: an extension may define __new__(cls, **kwargs)
+    return cls(config=config, rank=rank, world_size=world_size, local_rank=local_rank)
 
 
 def _device_for(device: str, rank: int) -> str:
