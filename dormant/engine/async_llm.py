@@ -10,7 +10,8 @@
 
 This is the facade; the loop thread that runs every call between two steps is
 ``engine_loop.EngineLoop``, one call's stream ``request_stream``, and who listens to which
-request ``request_tracker.RequestTracker``.
+request ``request_tracker.RequestTracker``, and what it tells without the loop (state and
+health) ``engine_client.EngineClientState``.
 
 A refit (``update_weights``, ``reload_weights``, ...) never mixes weight versions in one
 completion: by ``refit_policy`` it waits for the running requests to finish (``"wait"``, the
@@ -30,7 +31,7 @@ from typing import Any
 from dormant.core.errors import UnsupportedOptionError
 from dormant.core.sampling_params import RequestOutputKind, SamplingParams
 from dormant.core.vllm_options import engine_args_fields
-from dormant.engine.engine_health import EngineClientHealth
+from dormant.engine.engine_client import EngineClientState
 from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
@@ -50,7 +51,7 @@ __all__ = ["REFIT_POLICIES", "AsyncLLM", "Listener", "Prompt", "RequestCounts", 
 _DRAIN_POLL_S = 0.01
 
 
-class AsyncLLM(EngineClientHealth):
+class AsyncLLM(EngineClientState):
     """An engine for asyncio callers. ``AsyncLLM(model, **options)`` takes ``LLM``'s options,
     plus ``refit_policy`` (``"wait"`` or ``"abort"``; see the module docstring)."""
 
@@ -264,50 +265,7 @@ class AsyncLLM(EngineClientHealth):
             self._engine_loop, self._requests, self.engine, write, policy, weight_version
         )
 
-    # ── state, for servers and metrics ───────────────────────────────────────────────────────
-
-    @property
-    def weight_version(self) -> str:
-        """The served weights' version: the engine's one record (``LLM.get_weight_version``)."""
-        return self.engine.refits.weight_version
-
-    @property
-    def tokenizer(self) -> Any:
-        """The engine's tokenizer (``dormant.engine.tokenizer.Tokenizer``), or None."""
-        return self.engine.tokenizer
-
-    def get_tokenizer(self) -> Any:
-        """vLLM's: the ``transformers`` tokenizer (``LLM.get_tokenizer``)."""
-        return self.llm.get_tokenizer()
-
-    @property
-    def device(self) -> str:
-        """The device the weights live on ("cuda" or "cpu")."""
-        device = str(self.engine.config.device)
-        if device == "auto":
-            import torch
-
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return device
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.engine.config.max_model_len)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.engine.config.model_config.vocab_size)
-
-    @property
-    def num_requests(self) -> int:
-        """Requests being generated or held (read without the loop: an instant's count)."""
-        return self._requests.num_tracked + self._engine_loop.num_held
-
-    @property
-    def output_processor(self) -> RequestCounts:
-        """vLLM's ``AsyncLLM.output_processor``, for its request counts (OpenRLHF balances
-        prompts over its engines by ``get_num_unfinished_requests()``)."""
-        return RequestCounts(lambda: self.num_requests)
+    # ── on the loop ──────────────────────────────────────────────────────────────────────────
 
     async def asleep_tags(self) -> tuple[str, ...]:
         """Tags asleep (or in between) on any rank."""

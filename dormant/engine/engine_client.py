@@ -1,0 +1,93 @@
+"""What ``AsyncLLM`` tells without going through its loop, for vLLM's ``EngineClient`` callers,
+the server and metrics: its state (weight version, tokenizer, sizes, request counts) and its
+health (whether its loop stopped, shut down or failed by itself, and the error every request
+and call got then)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dormant.core.errors import EngineDeadError
+from dormant.engine.engine_loop import EngineLoop
+from dormant.engine.llm import LLM
+from dormant.engine.llm_engine import LLMEngine
+from dormant.engine.request_tracker import RequestCounts, RequestTracker
+
+
+class EngineClientState:
+    """Mixed into ``AsyncLLM``, which sets these four."""
+
+    llm: LLM
+    engine: LLMEngine
+    _requests: RequestTracker
+    _engine_loop: EngineLoop
+
+    # ── state ────────────────────────────────────────────────────────────────────────────────
+
+    @property
+    def weight_version(self) -> str:
+        """The served weights' version: the engine's one record (``LLM.get_weight_version``)."""
+        return self.engine.refits.weight_version
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (``dormant.engine.tokenizer.Tokenizer``), or None."""
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the ``transformers`` tokenizer (``LLM.get_tokenizer``)."""
+        return self.llm.get_tokenizer()
+
+    @property
+    def device(self) -> str:
+        """The device the weights live on ("cuda" or "cpu")."""
+        device = str(self.engine.config.device)
+        if device == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return device
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.config.model_config.vocab_size)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests being generated or held (read without the loop: an instant's count)."""
+        return self._requests.num_tracked + self._engine_loop.num_held
+
+    @property
+    def output_processor(self) -> RequestCounts:
+        """vLLM's ``AsyncLLM.output_processor``, for its request counts (OpenRLHF balances
+        prompts over its engines by ``get_num_unfinished_requests()``)."""
+        return RequestCounts(lambda: self.num_requests)
+
+    # ── health ───────────────────────────────────────────────────────────────────────────────
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine stopped: shut down, or its loop failed (then every request and
+        call got ``dead_error``)."""
+        return self._engine_loop.is_stopped
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self._engine_loop.dead_error or EngineDeadError("the engine is running")
+
+    async def check_health(self) -> None:
+        """Raises ``dead_error`` once the engine stopped."""
+        if self.errored:
+            raise self.dead_error
