@@ -13,7 +13,9 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from dormant.core import generation_config as sampling_source
 from dormant.core.errors import UnsupportedOptionError
+from dormant.core.sampling_params import SamplingParams
 from dormant.core.speculative_config import SpeculativeConfig
 from dormant.core.vllm_options import resolve_vllm_options
 from dormant.models import ModelConfig
@@ -99,6 +101,11 @@ class EngineConfig:
     # in-process rank without speculative decoding (vLLM's None decides too); True also for TP
     # worker processes ("mp"); the tokens are those of synchronous steps either way.
     async_scheduling: bool | None = None
+    # vLLM's: where requests that leave a sampling parameter unset take it from ("auto": the
+    # model's generation_config.json; "vllm": nowhere; or a directory), and what overrides it
+    # (``core/generation_config.py``; ``sampling_defaults`` below)
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def create(
@@ -116,6 +123,9 @@ class EngineConfig:
         Unknown options raise TypeError: a misspelled option must never be silently ignored.
         """
         options = resolve_vllm_options(options)
+        options["override_generation_config"] = sampling_source.parse_override(
+            options.get("override_generation_config")
+        )
         if options.get("max_num_seqs", 0) is None:
             options["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS
         if isinstance(options.get("served_model_name"), list):
@@ -191,6 +201,26 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
+
+        sampling_source.check_source(self.generation_config)
+        defaults = self.sampling_defaults
+        try:
+            SamplingParams(**defaults)  # a bad default raises now, not on every request
+        except ValueError as error:
+            raise UnsupportedOptionError(
+                f"the default sampling parameters {defaults} (generation_config="
+                f"{self.generation_config!r}, then override_generation_config) are invalid: "
+                f"{error}; fix them, or pass generation_config='vllm'"
+            ) from error
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """vLLM's ``get_diff_sampling_param``: the ``SamplingParams`` fields a request that
+        leaves them unset takes (from ``generation_config``, then its override; read anew on
+        each call, so callers keep the result)."""
+        return sampling_source.sampling_defaults(
+            self.generation_config, self.model, self.override_generation_config
+        )
 
     @property
     def overlaps_steps(self) -> bool:

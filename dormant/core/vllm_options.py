@@ -5,7 +5,7 @@ against what dormant can honour, and mapped onto dormant's options where it has 
 |-----------------------------|----------------------------------|-------------------------------|
 | quantization                | None                             | weights as in the checkpoint  |
 | pipeline_parallel_size      | 1                                | tensor parallelism only       |
-| enable_expert_parallel      | False                            | no MoE models                 |
+| enable_expert_parallel      | False                            | MoE experts split by TP       |
 | model_impl                  | "auto", "vllm"                   | dormant's own models          |
 | scheduling_policy           | "fcfs"                           | first come, first served      |
 | swap_space                  | any GiB >= 0                     | never swaps (recompute)       |
@@ -30,7 +30,11 @@ from dormant.core.errors import UnsupportedOptionError
 _ONLY_VALUE: dict[str, tuple[object | tuple[object, ...], str]] = {
     "quantization": (None, "dormant runs the checkpoint's own dtype; no quantization methods"),
     "pipeline_parallel_size": (1, "dormant splits models by tensor parallelism only"),
-    "enable_expert_parallel": (False, "dormant has no mixture-of-experts models"),
+    "enable_expert_parallel": (
+        False,
+        "dormant splits MoE experts by tensor parallelism (every rank holds a slice of every "
+        "expert), never by expert",
+    ),
     # "vllm" (vLLM's native models, TRL's default) is what dormant's own models are.
     "model_impl": (("auto", "vllm"), "dormant always runs its own model implementations"),
     "scheduling_policy": ("fcfs", "dormant schedules first come, first served"),

@@ -36,6 +36,13 @@ class LLM:
 
     def __init__(self, model: str | Path | ModelConfig, **options: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.create(model, **options))
+        self._sampling_defaults = self.llm_engine.config.sampling_defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` samples with when given no ``sampling_params``: the
+        model's ``generation_config.json`` (and ``override_generation_config``) over vLLM's
+        neutral defaults; a new object each call."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -49,7 +56,8 @@ class LLM:
         """Generates for every prompt (text, token ids, or vLLM's ``{"prompt_token_ids":
         [...]}``); returns one ``RequestOutput`` per prompt, in prompt order, each with
         ``params.n`` completions. ``use_tqdm`` shows a progress bar over the prompts (or is a
-        ``tqdm``-like callable to make it with). ``lora_request`` (one, or one per prompt) and
+        ``tqdm``-like callable to make it with). Without ``sampling_params`` it samples with
+        ``get_default_sampling_params()``. ``lora_request`` (one, or one per prompt) and
         ``priority`` (one per prompt) are vLLM's: only None and 0 are accepted.
 
         Every prompt and its parameters are validated before any is queued: a bad one raises
@@ -64,7 +72,7 @@ class LLM:
         engine = self.llm_engine
         engine.check_can_generate()  # before queuing anything: a refused call leaves no trace
         batch = _as_prompt_list(prompts)
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         param_list = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(batch):
             raise ValueError(f"{len(param_list)} sampling params for {len(batch)} prompts")

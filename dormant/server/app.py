@@ -71,6 +71,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     )
     app.state.serving, app.state.metrics = serving, metrics
     app.state.started_at = int(time.time())
+    # vLLM's default_sampling_params: the OpenAI routes fill unset fields from them
+    app.state.sampling_defaults = engine.engine.config.sampling_defaults
     install_error_handlers(app)
     for module in (openai_routes, sglang_routes, admin_routes):
         app.include_router(module.router, dependencies=[Depends(forbid_unknown_query)])

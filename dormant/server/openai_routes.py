@@ -52,7 +52,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     items = prompt if isinstance(prompt, list) and prompt and not _is_ids(prompt) else [prompt]
     serving.check_batch(len(items), body.n)
     prompts = [await serving.prepare(p) for p in items]  # type: ignore[arg-type]
-    params = body.sampling_params(serving.max_tokens(prompts, body.max_tokens), body.logprobs)
+    defaults = request.app.state.sampling_defaults
+    max_tokens = _max_tokens(serving, prompts, body.max_tokens, defaults)
+    params = body.sampling_params(max_tokens, body.logprobs, defaults)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     job = _Job(serving, body, params, prompts, request_id, is_chat=False, k=body.logprobs or 0)
     if body.stream:
@@ -69,14 +71,25 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     prompts = [await serving.chat_prompt(messages)]
     requested = body.max_completion_tokens or body.max_tokens
     k = body.top_logprobs or 0
-    params = body.sampling_params(
-        serving.max_tokens(prompts, requested), k if body.logprobs else None
-    )
+    defaults = request.app.state.sampling_defaults
+    max_tokens = _max_tokens(serving, prompts, requested, defaults)
+    params = body.sampling_params(max_tokens, k if body.logprobs else None, defaults)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     job = _Job(serving, body, params, prompts, request_id, is_chat=True, k=k)
     if body.stream:
         return await job.stream()
     return job.reply(await serving.run(prompts, params, request_id, request.is_disconnected))
+
+
+def _max_tokens(
+    serving: Serving, prompts: list[Prepared], requested: int | None, defaults: dict[str, Any]
+) -> int:
+    """vLLM's ``get_max_tokens``: what the request asks for (it must fit), else the model's
+    default ``max_new_tokens`` within the room the longest prompt leaves, else all that room."""
+    room = serving.max_tokens(prompts, requested)
+    if requested is None and "max_tokens" in defaults:
+        return min(room, defaults["max_tokens"])
+    return room
 
 
 @router.post("/tokenize")

@@ -8,6 +8,7 @@ something else. vLLM's extensions are accepted: ``top_k``, ``min_p``, ``min_toke
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -47,6 +48,10 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+# The fields a request that leaves them unset takes from the model's generation config.
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class SamplingFields(Strict):
     """Fields shared by completions and chat, mapped onto ``SamplingParams``."""
 
@@ -73,9 +78,14 @@ class SamplingFields(Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(default=None, description="only empty or null")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; ``InvalidSamplingParamsError`` (400) names a bad one."""
-        options: dict[str, Any] = {
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any]
+    ) -> SamplingParams:
+        """The engine's parameters; ``InvalidSamplingParamsError`` (400) names a bad one. An
+        unset temperature, top-p, top-k, min-p or repetition penalty takes ``defaults`` (the
+        engine's ``sampling_defaults``, as vLLM's ``to_sampling_params``)."""
+        options: dict[str, Any] = {name: defaults[name] for name in _DEFAULTED if name in defaults}
+        options |= {
             name: getattr(self, name)
             for name in (
                 "n",
