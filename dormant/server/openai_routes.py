@@ -160,6 +160,8 @@ class _Job:
                     choice["text"] = completion.text
                     if self.body.return_token_ids:
                         choice["prompt_token_ids"] = list(output.prompt_token_ids)
+                    if self.params.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = r.prompt_logprobs(output)
                 if self.body.return_token_ids:
                     choice["token_ids"] = list(completion.token_ids)
                 choices.append(choice)
@@ -168,12 +170,15 @@ class _Job:
         reply["usage"] = r.usage(outputs)
         if self.is_chat and self.body.return_token_ids:
             reply["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
+        if self.is_chat and self.params.prompt_logprobs is not None:
+            reply["prompt_logprobs"] = r.prompt_logprobs(outputs[0])
         return reply
 
     def _logprobs(self, completion: Any) -> dict[str, Any] | None:
+        as_ids = self.body.return_tokens_as_token_ids
         if self.is_chat:
-            return r.chat_logprobs(completion, self.k, self.tokenizer)
-        return r.completion_logprobs(completion, self.k, self.tokenizer)
+            return r.chat_logprobs(completion, self.k, self.tokenizer, as_ids)
+        return r.completion_logprobs(completion, self.k, self.tokenizer, as_ids)
 
     async def stream(self) -> EventSourceResponse:
         """Starts the stream (a refusal raises here, as a plain error reply)."""

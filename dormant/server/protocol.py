@@ -75,6 +75,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(default=None, description="only empty or null")
 

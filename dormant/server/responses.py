@@ -20,8 +20,12 @@ def choice_index(prompt_index: int, completion: CompletionOutput, n: int) -> int
     return prompt_index * n + completion.index
 
 
-def token_texts(tokenizer: Any, token_ids: Sequence[int]) -> list[str]:
-    """Each token's own text (vLLM's ``decoded_token``); "" without a tokenizer."""
+def token_texts(tokenizer: Any, token_ids: Sequence[int], as_ids: bool = False) -> list[str]:
+    """Each token's own text (vLLM's ``decoded_token``); "" without a tokenizer. With
+    ``as_ids`` (vLLM's ``return_tokens_as_token_ids``), ``"token_id:<id>"`` instead: every
+    token named apart, also those whose text is not valid UTF-8 or is another's."""
+    if as_ids:
+        return [f"token_id:{t}" for t in token_ids]
     return list(tokenizer.decode_each(token_ids)) if tokenizer else [""] * len(token_ids)
 
 
@@ -34,17 +38,17 @@ def _top(position: dict[int, Any] | None, k: int) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(
-    completion: CompletionOutput, k: int, tokenizer: Any, offset: int = 0
+    completion: CompletionOutput, k: int, tokenizer: Any, as_ids: bool = False, offset: int = 0
 ) -> dict[str, Any] | None:
     """``/v1/completions``' ``logprobs`` object for ``completion``'s tokens."""
     if completion.logprobs is None:
         return None
     ids = list(completion.token_ids)
-    texts = token_texts(tokenizer, ids)
+    texts = token_texts(tokenizer, ids, as_ids)
     tops = []
     for position in completion.logprobs:
         top = _top(position, k)
-        texts_of_top = token_texts(tokenizer, [t for t, _ in top])
+        texts_of_top = token_texts(tokenizer, [t for t, _ in top], as_ids)
         tops.append(dict(zip(texts_of_top, (v for _, v in top), strict=True)))
     offsets, at = [], offset
     for text in texts:
@@ -58,17 +62,19 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(completion: CompletionOutput, k: int, tokenizer: Any) -> dict[str, Any] | None:
+def chat_logprobs(
+    completion: CompletionOutput, k: int, tokenizer: Any, as_ids: bool = False
+) -> dict[str, Any] | None:
     """Chat's ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     if completion.logprobs is None:
         return None
     ids = list(completion.token_ids)
     content = []
     for token_id, text, position in zip(
-        ids, token_texts(tokenizer, ids), completion.logprobs, strict=True
+        ids, token_texts(tokenizer, ids, as_ids), completion.logprobs, strict=True
     ):
         top = _top(position, k)
-        top_texts = token_texts(tokenizer, [t for t, _ in top])
+        top_texts = token_texts(tokenizer, [t for t, _ in top], as_ids)
         content.append(
             {
                 "token": text,
@@ -81,6 +87,22 @@ def chat_logprobs(completion: CompletionOutput, k: int, tokenizer: Any) -> dict[
             }
         )
     return {"content": content}
+
+
+def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` in a reply: per prompt position (None for the first), each
+    token id (as a string, JSON's keys) with its ``logprob``, ``rank`` and ``decoded_token``;
+    None when the request asked for none."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if p is None else _logprob_entries(p) for p in output.prompt_logprobs]
+
+
+def _logprob_entries(position: dict[int, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        str(token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
+        for token_id, e in position.items()
+    }
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
