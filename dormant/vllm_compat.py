@@ -16,7 +16,9 @@ What it registers, all backed by dormant's own classes:
                                             StructuredOutputsParams (refused when built)
     vllm.outputs / vllm.logprobs / vllm.inputs   the output, Logprob and prompt types
     vllm.logger                             init_logger (a logging logger; NeMo-RL's)
+    vllm.v1.engine                          FinishReason (verl's abort path)
     vllm.v1.engine.async_llm                AsyncLLM
+    vllm.v1.engine.exceptions               EngineDeadError, EngineGenerateError
     vllm.utils                              random_uuid (OpenRLHF's request ids)
     vllm.utils.network_utils                get_open_port (a free port), get_ip (loopback)
     vllm.distributed.weight_transfer.*      names that raise when used: vLLM's own NCCL
@@ -62,10 +64,12 @@ def install_as_vllm() -> types.ModuleType:
             "a real vllm is already imported in this process; call dormant.install_as_vllm() "
             "before anything imports vllm, or use vLLM itself"
         )
+    from dormant.core.errors import EngineDeadError, EngineGenerateError
     from dormant.core.sampling_params import RequestOutputKind, SamplingParams
     from dormant.engine.async_llm import AsyncLLM
     from dormant.engine.llm import LLM
     from dormant.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from dormant.engine.vllm_internals import FinishReason
 
     inputs = {"TokensPrompt": TokensPrompt, "TextPrompt": TextPrompt}
     outputs = {"RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput}
@@ -82,8 +86,10 @@ def install_as_vllm() -> types.ModuleType:
     _module("vllm.inputs", **inputs)
     _module("vllm.logger", init_logger=logging.getLogger)
     _module("vllm.v1")
-    _module("vllm.v1.engine")
+    _module("vllm.v1.engine", FinishReason=FinishReason)
     _module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
+    _module("vllm.v1.engine.exceptions", EngineDeadError=EngineDeadError,
+            EngineGenerateError=EngineGenerateError)  # fmt: skip
     _module("vllm.utils", random_uuid=random_uuid)
     _module("vllm.utils.network_utils", get_open_port=get_open_port, get_ip=get_ip)
     _module("vllm.distributed")

@@ -37,6 +37,15 @@ class EngineDeadError(EngineError):
     """A worker process died or stopped answering; the engine was shut down."""
 
 
+class EngineGenerateError(EngineError):
+    """vLLM's: one ``AsyncLLM.generate`` request failed while the engine ran it (the cause is
+    chained); the request was aborted and the engine still serves others."""
+
+
+class DuplicateRequestIdError(EngineError, ValueError):
+    """``generate`` named a request id that is still running; nothing was queued."""
+
+
 class InvalidSamplingParamsError(EngineError, ValueError):
     """A ``SamplingParams`` field has a value vLLM refuses too; nothing was queued."""
 

@@ -44,9 +44,9 @@ from dormant.engine.request_stream import (
     prepare_request,
     stream_outputs,
 )
-from dormant.engine.request_tracker import Listener, RequestCounts, RequestTracker
+from dormant.engine.request_tracker import Listener, RequestTracker
 
-__all__ = ["REFIT_POLICIES", "AsyncLLM", "Listener", "Prompt", "RequestCounts", "RequestOutputKind"]
+__all__ = ["REFIT_POLICIES", "AsyncLLM", "Listener", "Prompt", "RequestOutputKind"]
 
 _DRAIN_POLL_S = 0.01
 
@@ -106,7 +106,9 @@ class AsyncLLM(EngineClientState):
         closing the generator) aborts it. ``output_kind`` defaults to
         ``sampling_params.output_kind`` where it exists, else CUMULATIVE. Raises
         ``EngineAsleepError`` while memory is asleep (while only paused, the request waits),
-        and ``dead_error`` once the engine stopped.
+        ``DuplicateRequestIdError`` for an id still running, ``EngineGenerateError`` (caused
+        by the failure) if the request fails once running, and ``dead_error`` once the engine
+        stopped, as vLLM's does.
 
         ``lora_request`` and ``priority`` are vLLM's (verl passes ``lora_request=None,
         priority=0``): dormant has no LoRA adapters and schedules first come, first served, so
@@ -192,10 +194,6 @@ class AsyncLLM(EngineClientState):
         return bool(
             await self._engine_loop.call(lambda: reset(reset_running_requests, reset_connector))
         )
-
-    async def reset_mm_cache(self) -> None:
-        """vLLM's (verl calls it once the engine is up). dormant serves text-only models, so
-        there is no multimodal cache to clear."""
 
     async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
         """vLLM's: returns once no request is running or waiting (new requests are not held

@@ -1,17 +1,20 @@
 """What ``AsyncLLM`` tells without going through its loop, for vLLM's ``EngineClient`` callers,
-the server and metrics: its state (weight version, tokenizer, sizes, request counts) and its
-health (whether its loop stopped, shut down or failed by itself, and the error every request
-and call got then)."""
+the server and metrics: its state (weight version, tokenizer, sizes, request counts, vLLM's
+``output_processor`` and ``engine_core`` as frameworks reach into them), its health (whether
+its loop stopped, shut down or failed by itself, and the error every request and call got
+then), and the vLLM calls it answers without an engine feature behind them (multimodal cache,
+LoRA adapters, profiler)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dormant.core.errors import EngineDeadError
+from dormant.core.errors import EngineDeadError, UnsupportedOptionError
 from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
-from dormant.engine.request_tracker import RequestCounts, RequestTracker
+from dormant.engine.request_tracker import RequestTracker
+from dormant.engine.vllm_internals import EngineCoreView, OutputProcessorView
 
 
 class EngineClientState:
@@ -62,10 +65,16 @@ class EngineClientState:
         return self._requests.num_tracked + self._engine_loop.num_held
 
     @property
-    def output_processor(self) -> RequestCounts:
-        """vLLM's ``AsyncLLM.output_processor``, for its request counts (OpenRLHF balances
-        prompts over its engines by ``get_num_unfinished_requests()``)."""
-        return RequestCounts(lambda: self.num_requests)
+    def output_processor(self) -> OutputProcessorView:
+        """vLLM's ``AsyncLLM.output_processor``: its request counts (OpenRLHF balances prompts
+        over its engines by ``get_num_unfinished_requests()``), ``request_states`` and
+        ``abort_requests`` (verl's abort path; ``vllm_internals.py``)."""
+        return OutputProcessorView(self._requests, lambda: self.num_requests)
+
+    @property
+    def engine_core(self) -> EngineCoreView:
+        """vLLM's ``AsyncLLM.engine_core``, for ``abort_requests_async`` (verl's abort path)."""
+        return EngineCoreView(self._engine_loop, self._requests)
 
     # ── health ───────────────────────────────────────────────────────────────────────────────
 
@@ -91,3 +100,33 @@ class EngineClientState:
         """Raises ``dead_error`` once the engine stopped."""
         if self.errored:
             raise self.dead_error
+
+    # ── vLLM calls with no engine feature behind them ────────────────────────────────────────
+
+    async def reset_mm_cache(self) -> None:
+        """vLLM's (verl calls it once the engine is up). dormant serves text-only models, so
+        there is no multimodal cache to clear."""
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's, on an engine built without LoRA, raises: dormant has no LoRA adapters."""
+        raise UnsupportedOptionError(
+            "list_loras: LoRA is not enabled (dormant has no LoRA adapters); merge the adapter "
+            "into the weights before each refit (verl: actor_rollout_ref.model.lora.merge=True) "
+            "and generate with lora_request=None"
+        )
+
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's, with no profiler configured, raises: dormant has no profiler hooks."""
+        raise _no_profiler("start_profile")
+
+    async def stop_profile(self) -> None:
+        """vLLM's; raises as ``start_profile`` does."""
+        raise _no_profiler("stop_profile")
+
+
+def _no_profiler(call: str) -> UnsupportedOptionError:
+    return UnsupportedOptionError(
+        f"{call}: dormant has no vLLM profiler; turn the framework's rollout profiler off "
+        "(verl: no discrete torch profiler on the rollout), or wrap the calls in "
+        "torch.profiler.profile yourself"
+    )

@@ -17,9 +17,11 @@ What the loop does between steps, as a table::
                                             command that closed the gate runs and opens it
 
 After ``stop`` every command, queued or new, fails with ``EngineDeadError``, and so does every
-request being generated or held. An error that escapes the loop itself (a bug, not a failed
-step) stops it the same way, with the error as the ``EngineDeadError``'s cause: no caller is
-left waiting on a thread that is gone.
+request being generated or held. A step that raises ``EngineDeadError`` (its workers died)
+stops the loop the same way with that error, as vLLM's engine is dead once its core is; any
+other failed step fails only the requests it ran, which are aborted, and the loop serves on.
+An error that escapes the loop itself (a bug, not a failed step) stops it too, with the error
+as the ``EngineDeadError``'s cause: no caller is left waiting on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ class EngineLoop:
                 continue
             try:
                 finished = self.engine.step()
+            except EngineDeadError as error:  # the workers are gone: no step can run again
+                self._fail_everything(error)
+                continue
             except BaseException as error:  # fail the requests instead of retrying forever
                 self.engine.abort_request()
                 self.requests.fail_all(error)

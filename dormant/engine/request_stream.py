@@ -14,9 +14,9 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, NoReturn
 
-from dormant.core.errors import UnsupportedOptionError
+from dormant.core.errors import EngineDeadError, EngineGenerateError, UnsupportedOptionError
 from dormant.core.sampling_params import RequestOutputKind, SamplingParams
 from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.llm_engine import LLMEngine
@@ -37,9 +37,12 @@ async def stream_outputs(
     kind: RequestOutputKind,
 ) -> AsyncGenerator[RequestOutput, None]:
     """Adds ``request`` (held while the loop's gate is closed) and yields its outputs, named
-    ``user_id``, until one is finished; an error the loop hands over is raised. Closed or
-    cancelled before that, it queues the request's abort (without awaiting: this may run in
-    a generator's finalizer). A request refused when added needs no abort."""
+    ``user_id``, until one is finished. Errors are vLLM's (``AsyncLLM.generate``): a refused
+    add raises its own error, and so does ``EngineDeadError``; any other error handed over
+    while the request ran (a failed step) raises ``EngineGenerateError`` caused by it, and the
+    request is aborted. Closed or cancelled before that, it queues the request's abort
+    (without awaiting: this may run in a generator's finalizer). A request refused when added
+    needs no abort."""
     newest = Newest()
     loop = asyncio.get_running_loop()
 
@@ -60,8 +63,7 @@ async def stream_outputs(
         while not finished:
             item = await newest.get()
             if isinstance(item, BaseException):
-                finished = True
-                raise item
+                raise_handed_error(item, user_id)  # ``finally`` aborts it unless the engine died
             finished = item.finished
             output = dataclasses.replace(item, request_id=user_id)
             if kind is RequestOutputKind.DELTA:
@@ -76,6 +78,18 @@ async def stream_outputs(
             requests.forget(user_id)  # refused, or the loop never ran the add
         if not finished:  # cancelled or closed: no awaiting here, just queue the abort
             engine_loop.submit(lambda: requests.abort_tracked(tracked))
+
+
+def raise_handed_error(error: BaseException, user_id: str) -> NoReturn:
+    """Raises an error the loop handed to ``user_id``'s stream as vLLM's ``generate`` does:
+    ``EngineDeadError`` as it is, any other exception as ``EngineGenerateError`` caused by it."""
+    if isinstance(error, EngineDeadError) or not isinstance(error, Exception):
+        raise error
+    raise EngineGenerateError(
+        f"request {user_id!r} failed while the engine ran it ({error!r}); it was aborted and "
+        "the engine still serves other requests: submit it again, or shut the engine down if "
+        "this repeats"
+    ) from error
 
 
 class Newest:

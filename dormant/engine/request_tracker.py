@@ -3,13 +3,18 @@
 ``AsyncLLM.generate`` callers name requests by their own ids; the engine names them by the id
 its ``add_request`` returns. The tracker maps one to the other and hands each listener its
 request's outputs, progress and errors. Only the loop thread calls it (the engine is not
-thread-safe), except ``expect`` and ``forget``, which callers use around queueing their add;
-those take a lock of their own.
+thread-safe), except ``expect`` and ``forget``, which callers use around queueing their add,
+and ``states`` and ``answer``, through which vLLM's ``output_processor`` reaches the running
+requests from the caller's thread (``vllm_internals.py``). Those take the tracker's lock, and
+so does the loop thread wherever it changes what they read.
 
 Invariants: ``_tracked`` and ``_user_ids`` hold the same requests (keyed by engine id and by
-caller id); a request leaves both when its finished output is delivered or it fails.
-``_pending`` holds caller ids whose add is queued and has not run (it may be held behind the
-loop's closed gate); ``_cancelled`` holds those of them that were aborted before it ran.
+caller id); a request leaves both when its finished output is delivered or it fails. A request
+is *answered* once a caller handed its stream the last output (``answer``): it leaves
+``states`` but stays tracked while the engine runs it. Each tracked request's ``newest`` is
+the output last built for it, set before its listener is called with it. ``_pending`` holds
+caller ids whose add is queued and has not run (it may be held behind the loop's closed gate);
+``_cancelled`` holds those of them that were aborted before it ran.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from dormant.core.errors import DuplicateRequestIdError
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.outputs import RequestOutput
 
@@ -34,6 +40,8 @@ class TrackedRequest:
     engine_id: Any = None  # what the engine's add_request returned
     num_tokens_sent: int = 0
     num_generated_seen: int = 0  # the engine's count when its output was last built
+    newest: RequestOutput | None = None  # the output last built for it (from its add on)
+    is_answered: bool = False  # a caller handed its stream the last output (``answer``)
 
 
 class RequestTracker:
@@ -45,7 +53,7 @@ class RequestTracker:
         self._user_ids: dict[str, str] = {}
         self._cancelled: set[str] = set()  # pending ids aborted before their add ran
         self._pending: set[str] = set()
-        self._pending_lock = threading.Lock()
+        self._lock = threading.Lock()  # see the module docstring for what it guards
 
     @property
     def num_tracked(self) -> int:
@@ -54,12 +62,12 @@ class RequestTracker:
 
     def expect(self, user_id: str) -> None:
         """Records that ``user_id``'s add is about to be queued (any thread)."""
-        with self._pending_lock:
+        with self._lock:
             self._pending.add(user_id)
 
     def forget(self, user_id: str) -> None:
         """Drops ``user_id``'s pending add, which will never run (any thread)."""
-        with self._pending_lock:
+        with self._lock:
             self._pending.discard(user_id)
 
     def add(self, request: Any, tracked: TrackedRequest) -> Any:
@@ -72,9 +80,9 @@ class RequestTracker:
         is_aborted = tracked.user_id in self._cancelled
         self._cancelled.discard(tracked.user_id)
         if tracked.user_id in self._user_ids:
-            raise ValueError(
-                f"request id {tracked.user_id!r} is already in flight; give each running "
-                "request its own id"
+            raise DuplicateRequestIdError(
+                f"Request id {tracked.user_id!r} already running (its engine request has not "
+                "finished, or was not aborted yet); give each running request its own id"
             )
         control = self.engine.sleep_control
         if not is_aborted and not (control.is_paused and control.is_fully_awake):
@@ -83,19 +91,25 @@ class RequestTracker:
             tracked.engine_id = self.engine.add_request(*request)
         else:
             tracked.engine_id = self.engine.add_request_input(request)
-        self._tracked[str(tracked.engine_id)] = tracked
-        self._user_ids[tracked.user_id] = str(tracked.engine_id)
+        tracked.newest = self.engine.request_output(tracked.engine_id)
+        with self._lock:
+            self._tracked[str(tracked.engine_id)] = tracked
+            self._user_ids[tracked.user_id] = str(tracked.engine_id)
         if is_aborted:  # never scheduled: the abort lands before the next step
             self.abort_engine_ids([tracked.engine_id])
         return tracked.engine_id
 
     def deliver(self, outputs: Sequence[RequestOutput]) -> None:
         """Hands finished outputs to their listeners and forgets those requests."""
-        for output in outputs:
-            tracked = self._tracked.pop(str(output.request_id), None)
-            if tracked is not None:
-                self._user_ids.pop(tracked.user_id, None)
-                tracked.listener(output)
+        done = []
+        with self._lock:
+            for output in outputs:
+                tracked = self._tracked.pop(str(output.request_id), None)
+                if tracked is not None:
+                    self._user_ids.pop(tracked.user_id, None)
+                    done.append((tracked, output))
+        for tracked, output in done:
+            tracked.listener(output)
 
     def send_progress(self) -> None:
         """Hands each listener that wants progress its request's output, if it grew. Only the
@@ -103,7 +117,7 @@ class RequestTracker:
         costs the requests it advanced, not every request waiting for a slot."""
         outputs = self.engine.outputs
         for tracked in self._tracked.values():
-            if not tracked.wants_progress:
+            if not tracked.wants_progress or tracked.is_answered:
                 continue
             num_generated = outputs.num_generated(tracked.engine_id)
             if num_generated is None or num_generated == tracked.num_generated_seen:
@@ -115,6 +129,7 @@ class RequestTracker:
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             if num_tokens > tracked.num_tokens_sent:
                 tracked.num_tokens_sent = num_tokens
+                tracked.newest = output  # before the stream can see it (vllm_internals.py)
                 tracked.listener(output)
 
     def abort_engine_ids(self, engine_ids: Iterable[Any] | None) -> None:
@@ -127,7 +142,7 @@ class RequestTracker:
         """Aborts ``tracked``'s request (its caller stopped listening), never another request
         that has the same caller id; one whose add has not run yet is aborted when it runs."""
         if tracked.engine_id is None:
-            with self._pending_lock:
+            with self._lock:
                 if tracked.user_id in self._pending:
                     self._cancelled.add(tracked.user_id)
         elif self._tracked.get(str(tracked.engine_id)) is tracked:
@@ -138,7 +153,7 @@ class RequestTracker:
         aborted when it runs. An id that finished or was never added changes nothing."""
         keys = [self._user_ids[i] for i in user_ids if i in self._user_ids]
         self.abort_engine_ids([self._tracked[k].engine_id for k in keys])
-        with self._pending_lock:
+        with self._lock:
             self._cancelled.update(i for i in user_ids if i in self._pending)
 
     def ids_with_tokens(self) -> list[Any]:
@@ -152,21 +167,28 @@ class RequestTracker:
 
     def fail_all(self, error: BaseException) -> None:
         """Hands ``error`` to every listener and forgets every request."""
-        for tracked in self._tracked.values():
+        with self._lock:
+            failed = list(self._tracked.values())
+            self._tracked.clear()
+            self._user_ids.clear()
+        for tracked in failed:
             tracked.listener(error)
-        self._tracked.clear()
-        self._user_ids.clear()
 
+    # ── for vLLM's output_processor, from any thread ─────────────────────────────────────────
 
-class RequestCounts:
-    """What vLLM's ``OutputProcessor`` tells about unfinished requests: here, ``count()``,
-    the requests an ``AsyncLLM`` is generating or holding (``AsyncLLM.num_requests``)."""
+    def states(self) -> list[TrackedRequest]:
+        """The tracked requests not yet answered, in the order they were added."""
+        with self._lock:
+            return [tracked for tracked in self._tracked.values() if not tracked.is_answered]
 
-    def __init__(self, count: Callable[[], int]) -> None:
-        self._count = count
-
-    def get_num_unfinished_requests(self) -> int:
-        return self._count()
-
-    def has_unfinished_requests(self) -> bool:
-        return self._count() > 0
+    def answer(self, user_id: str) -> TrackedRequest | None:
+        """Marks ``user_id``'s request answered and returns it; the caller hands its stream the
+        last output. It gets no more progress, and the engine runs it until it finishes or is
+        aborted. None if it is not tracked or was answered already."""
+        with self._lock:
+            key = self._user_ids.get(user_id)
+            tracked = None if key is None else self._tracked.get(key)
+            if tracked is None or tracked.is_answered:
+                return None
+            tracked.is_answered = True
+            return tracked
