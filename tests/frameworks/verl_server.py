@@ -1,19 +1,16 @@
-"""verl's rollout server code that the abort tests run, as verl writes it: from
-volcengine/verl@b178a3cd ``verl/workers/rollout/vllm_rollout/vllm_async_server.py`` (``vas``),
-``generate`` (L445-547; no LoRA, no multimodal data), ``clear_kv_cache``, ``abort_all_requests``
-and ``abort_request`` (L595-680). ``from vllm.v1.engine import FinishReason`` needs
+"""What verl's rollout server calls in the abort tests, as verl calls it (read from
+volcengine/verl@b178a3cd ``verl/workers/rollout/vllm_rollout/vllm_async_server.py``, ``vas``):
+``generate`` (L445-547; no LoRA, no multimodal data), ``abort_all_requests`` and
+``abort_request`` (L595-680). ``from vllm.v1.engine import FinishReason`` needs
 ``dormant.install_as_vllm()`` first."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from dormant import SamplingParams
 from dormant.engine.async_llm import AsyncLLM
 from dormant.vllm_compat import TokensPrompt
-
-logger = logging.getLogger(__name__)
 
 
 async def verl_generate(
@@ -44,79 +41,47 @@ async def verl_generate(
 
 
 class VerlServer:
-    """vas L595-680, verbatim but for ``self.node_rank`` (0: one node)."""
+    """The calls of verl's ``abort_all_requests`` and ``abort_request`` (vas L595-680), in its
+    order and with its arguments and result dicts (written here, not copied): a snapshot of
+    ``output_processor.request_states``; per state ``make_request_output([], pooling_output=None,
+    finish_reason=FinishReason.ABORT, stop_reason=None)`` put on ``state.queue``; then
+    ``output_processor.abort_requests(ids)``, ``await engine_core.abort_requests_async(ids)``
+    and ``reset_prefix_cache()``. verl turns any exception into an ``"error"`` entry."""
 
     def __init__(self, engine: AsyncLLM) -> None:
         self.engine = engine
-        self.node_rank = 0
-
-    async def clear_kv_cache(self):
-        if self.node_rank == 0:
-            await self.engine.reset_prefix_cache()
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True) -> dict[str, Any]:
         try:
-            # Take an atomic snapshot to avoid race conditions with the vLLM engine thread
-            request_states_snapshot = list(self.engine.output_processor.request_states.items())
-            request_ids = [req_id for req_id, _ in request_states_snapshot]
-
-            if not request_ids:
+            states = list(self.engine.output_processor.request_states.items())
+            ids = [request_id for request_id, _ in states]
+            if not ids:
                 return {"aborted_count": 0, "request_ids": []}
-
-            # For each request, create an abort output and put it to its queue
-            # This allows the generator to receive the aborted result
-            from vllm.v1.engine import FinishReason
-
-            for _, req_state in request_states_snapshot:
-                request_output = req_state.make_request_output(
-                    [], pooling_output=None, finish_reason=FinishReason.ABORT, stop_reason=None
-                )
-                req_state.queue.put(request_output)
-
-            # Abort requests in the output processor and engine core
-            self.engine.output_processor.abort_requests(request_ids)
-            await self.engine.engine_core.abort_requests_async(request_ids)
-
-            # Try to reset prefix cache to ensure clean state
-            if reset_prefix_cache:
-                await self.clear_kv_cache()
-                logger.info("Prefix cache reset after abort")
-
-            logger.info(f"Aborted {len(request_ids)} requests: {request_ids}")
-            return {"aborted_count": len(request_ids), "request_ids": request_ids}
-
-        except Exception as e:
-            logger.error(f"Error aborting requests: {e}")
-            return {"aborted_count": 0, "request_ids": [], "error": str(e)}
+            await self._abort([state for _, state in states], ids, reset_prefix_cache)
+            return {"aborted_count": len(ids), "request_ids": ids}
+        except Exception as error:
+            return {"aborted_count": 0, "request_ids": [], "error": str(error)}
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
         try:
-            request_states = self.engine.output_processor.request_states
-            req_state = request_states.get(request_id)
-
-            if req_state is None:
+            state = self.engine.output_processor.request_states.get(request_id)
+            if state is None:
                 return {"aborted": False, "error": f"Request {request_id} not found"}
-
-            # Create abort output and put it to the queue
-            from vllm.v1.engine import FinishReason
-
-            request_output = req_state.make_request_output(
-                [], pooling_output=None, finish_reason=FinishReason.ABORT, stop_reason=None
-            )
-            req_state.queue.put(request_output)
-
-            # Abort in output processor and engine core
-            self.engine.output_processor.abort_requests([request_id])
-            await self.engine.engine_core.abort_requests_async([request_id])
-
-            # Try to reset prefix cache to ensure clean state
-            if reset_prefix_cache:
-                await self.clear_kv_cache()
-                logger.info(f"Prefix cache reset after abort request {request_id}")
-
-            logger.info(f"Aborted request: {request_id}")
+            await self._abort([state], [request_id], reset_prefix_cache)
             return {"aborted": True, "request_id": request_id}
+        except Exception as error:
+            return {"aborted": False, "request_id": request_id, "error": str(error)}
 
-        except Exception as e:
-            logger.error(f"Error aborting request {request_id}: {e}")
-            return {"aborted": False, "request_id": request_id, "error": str(e)}
+    async def _abort(self, states: list[Any], ids: list[str], reset_prefix_cache: bool) -> None:
+        from vllm.v1.engine import FinishReason
+
+        for state in states:
+            state.queue.put(
+                state.make_request_output(
+                    [], pooling_output=None, finish_reason=FinishReason.ABORT, stop_reason=None
+                )
+            )
+        self.engine.output_processor.abort_requests(ids)
+        await self.engine.engine_core.abort_requests_async(ids)
+        if reset_prefix_cache:
+            await self.engine.reset_prefix_cache()
