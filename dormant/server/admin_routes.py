@@ -1,7 +1,8 @@
 """The RL driver's routes: vLLM's development routes (``/sleep``, ``/wake_up``, ``/pause``,
-``/collective_rpc``, ...) and SGLang's (``/release_memory_occupation``, ``/pause_generation``,
-``/update_weights_from_*``, weight-update groups). All of them are admin routes
-(``security.ADMIN_ROUTES``) except the read-only ``/is_sleeping`` and ``/get_weight_version``.
+..., and ``/collective_rpc`` from ``rpc_route.py``) and SGLang's (``/release_memory_occupation``,
+``/pause_generation``, ``/update_weights_from_*``, weight-update groups). All of them are admin
+routes (``security.ADMIN_ROUTES``) except the read-only ``/is_sleeping`` and
+``/get_weight_version``.
 
 Refits follow ``AsyncLLM``'s refit policy (``wait``: running requests finish on the old
 weights first), or abort running requests when SGLang's ``abort_all_requests`` says so.
@@ -10,18 +11,15 @@ weights first), or abort running requests when SGLang's ``abort_all_requests`` s
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from dormant.core.errors import EngineAsleepError
+from dormant.server import rpc_route
 from dormant.server.errors import BadRequestError, NotImplementedByEngineError
 from dormant.server.metrics import Metrics
 from dormant.server.serving import Serving
 from dormant.server.sglang_protocol import (
-    CollectiveRpcRequest,
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
@@ -34,15 +32,8 @@ from dormant.server.sglang_protocol import (
 from dormant.server.weights import check_finite, checked_weight_dir, weight_files
 
 router = APIRouter()
+router.include_router(rpc_route.router)  # POST /collective_rpc
 Mode = Literal["abort", "wait", "keep"]
-# What /collective_rpc may call over HTTP (update_weights takes tensors, which JSON cannot
-# carry; reload_weights from a path goes through /update_weights_from_disk's checks), and the
-# tag each one reads: asleep, the call answers 503 instead of touching released memory.
-RPC_OVER_HTTP: dict[str, str | None] = {
-    "sleep": None, "wake_up": None, "sleep_state": None, "memory_status": None, "audit": None,
-    "verify_guards": None, "check_health": None, "reload_weights": None,
-    "kv_cache_scales": "runtime",
-}  # fmt: skip
 OK = {"success": True, "message": "ok"}
 
 
@@ -95,28 +86,6 @@ async def pause(request: Request, mode: Mode = "abort") -> dict[str, Any]:
 async def resume(request: Request) -> dict[str, Any]:
     await _serving(request).engine.resume_generation()
     return {}
-
-
-@router.post("/collective_rpc")
-async def collective_rpc(body: CollectiveRpcRequest, request: Request) -> dict[str, Any]:
-    if body.method not in RPC_OVER_HTTP:
-        raise BadRequestError(
-            f"collective_rpc over HTTP allows {sorted(RPC_OVER_HTTP)}; got {body.method!r} "
-            "(refit with /update_weights_from_disk or /update_weights_from_tensor)"
-        )
-    if body.method == "reload_weights" and (body.args or body.kwargs):
-        raise BadRequestError(
-            "collective_rpc reload_weights over HTTP re-reads the served checkpoint only; load "
-            "another one with /update_weights_from_disk (its paths are checked)"
-        )
-    engine = _serving(request).engine
-    tag = RPC_OVER_HTTP[body.method]
-    if tag is not None and tag in await engine.asleep_tags():
-        raise EngineAsleepError(
-            f"{body.method} reads the {tag!r} memory, which is asleep; wake_up() first"
-        )
-    results = await engine.collective_rpc(body.method, args=body.args, kwargs=body.kwargs)
-    return {"results": jsonable(results)}
 
 
 # ── SGLang ───────────────────────────────────────────────────────────────────────────────────
@@ -284,20 +253,3 @@ def llm_method(engine: Any, name: str) -> Any:
             kind="NotImplementedError",
         )
     return method
-
-
-def jsonable(value: Any) -> Any:
-    """Worker results as JSON: dataclasses as objects, enums as their values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return jsonable(value.value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [jsonable(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if hasattr(value, "tolist"):  # tensors
-        return value.tolist()
-    return str(value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dormant.core.sampling_params import SamplingParams
 from dormant.server.protocol import (
@@ -61,7 +61,23 @@ class SGLangSamplingParams(Strict):
             )
         return value
 
-    def to_vllm(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None):
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SGLangSamplingParams:
+        """SGLang's ``SamplingParams.verify``: checked on the values asked for, before the
+        room beside the prompt caps ``max_new_tokens``."""
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got "
+                f"{self.min_new_tokens}"
+            )
+        return self
+
+    def to_vllm(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
+        """``max_tokens`` is what fits (None: all the room); ``min_new_tokens`` is capped by it,
+        as SGLang stops a sequence whose context is full whatever its minimum."""
+        min_tokens = (
+            self.min_new_tokens if max_tokens is None else min(self.min_new_tokens, max_tokens)
+        )
         return SamplingParams(
             n=self.n,
             temperature=self.temperature,
@@ -78,7 +94,7 @@ class SGLangSamplingParams(Strict):
             include_stop_str_in_output=self.no_stop_trim,
             seed=self.sampling_seed,
             max_tokens=max_tokens,
-            min_tokens=self.min_new_tokens,
+            min_tokens=min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -91,7 +107,7 @@ class GenerateRequest(Strict):
     input_ids: TokenIds | TokenIdLists | None = None
     sampling_params: SGLangSamplingParams | None = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(default=-1, ge=-1)  # -1: none of the prompt's (SGLang's)
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False

@@ -1,13 +1,13 @@
-"""SGLang's native ``/generate`` (with ``/abort_request`` and ``/health_generate``), in SGLang's
-reply shape:
+"""SGLang's native ``/generate`` (with ``/abort_request``, ``/health_generate`` and, from
+``sglang_loads.py``, ``/v1/loads``), in SGLang's reply shape:
 
     {"text": ..., "output_ids": [...], "meta_info": {
         "id", "finish_reason": {"type": "length", "length": N} | {"type": "stop", "matched": x}
                                | {"type": "abort", "message": ...},
         "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
-        "output_token_logprobs": [[logprob, token_id, text or None], ...],   # return_logprob
-        "output_top_logprobs": [[[logprob, token_id, text or None], ...], ...],
-        "input_token_logprobs": [[logprob or None, token_id, text or None], ...]}}
+        "input_token_logprobs", "output_token_logprobs", ...}}   # return_logprob
+
+(the logprob keys and ``logprob_start_len`` are in ``sglang_logprobs.py``).
 
 One prompt with ``n == 1`` answers an object; a batch (or ``n > 1``) answers a list, prompt-
 major. Streams (``"stream": true``) send the cumulative object per step, then ``[DONE]``.
@@ -26,12 +26,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from dormant.engine.outputs import CompletionOutput, RequestOutput
+from dormant.server import sglang_loads
 from dormant.server.errors import BadRequestError, error_body, status_of
-from dormant.server.responses import token_texts
 from dormant.server.serving import Prepared, Serving
+from dormant.server.sglang_logprobs import SGLangLogprobs
 from dormant.server.sglang_protocol import AbortRequest, GenerateRequest, SGLangSamplingParams
 
 router = APIRouter()
+router.include_router(sglang_loads.router)  # GET /v1/loads
 
 
 @router.post("/generate")
@@ -50,12 +52,19 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     sampling = body.sampling_params or SGLangSamplingParams()
     serving.check_batch(len(items), sampling.n)
     prompts = [await serving.prepare(item) for item in items]
-    logprobs = body.top_logprobs_num if body.return_logprob else None
-    prompt_logprobs = logprobs if body.return_logprob and body.logprob_start_len >= 0 else None
+    logprobs = SGLangLogprobs(
+        prompts,
+        body.return_logprob,
+        body.logprob_start_len,
+        body.top_logprobs_num,
+        serving.engine.tokenizer,
+        body.return_text_in_logprobs,
+    )
     is_prefill_only = sampling.max_new_tokens == 0
-    max_tokens = serving.max_tokens(prompts, 1 if is_prefill_only else sampling.max_new_tokens)
-    params = sampling.to_vllm(max_tokens, logprobs, prompt_logprobs)
-    job = _Generate(serving, body, prompts, body.rid or uuid.uuid4().hex, is_prefill_only)
+    max_tokens = _fitting(serving, prompts, 1 if is_prefill_only else sampling.max_new_tokens)
+    params = sampling.to_vllm(max_tokens, logprobs.num_output, logprobs.num_prompt)
+    rid = body.rid or uuid.uuid4().hex
+    job = _Generate(serving, body, prompts, rid, is_prefill_only, logprobs)
     is_list = is_batch or params.n > 1
     if body.stream:
         started = await serving.streams(prompts, params, job.rid)
@@ -63,6 +72,17 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     outputs = await serving.run(prompts, params, job.rid, request.is_disconnected)
     replies = [job.reply(p, o, c) for p, o in enumerate(outputs) for c in o.outputs]
     return replies if is_list else replies[0]
+
+
+def _fitting(serving: Serving, prompts: Sequence[Prepared], requested: int | None) -> int | None:
+    """SGLang's ``Scheduler.init_req_max_new_tokens``: more new tokens than fit beside a prompt
+    are not refused; the sequence gets what fits and finishes by length. This caps by the
+    shortest prompt's room; the engine ends a longer prompt's sequences at ``max_model_len``
+    itself. None (SGLang's null) is all the room."""
+    if requested is None:
+        return None
+    shortest = min(len(p.token_ids) for p in prompts)
+    return min(requested, serving.max_model_len - shortest)
 
 
 @router.post("/abort_request")
@@ -93,11 +113,11 @@ class _Generate:
         prompts: list[Prepared],
         rid: str,
         is_prefill_only: bool,
+        logprobs: SGLangLogprobs,
     ) -> None:
         self.serving, self.body, self.prompts, self.rid = serving, body, prompts, rid
-        self.is_prefill_only = is_prefill_only
+        self.is_prefill_only, self.logprobs = is_prefill_only, logprobs
         self.started = time.perf_counter()
-        self.tokenizer = serving.engine.tokenizer
         self.version = serving.engine.weight_version
 
     def reply(self, p: int, output: RequestOutput, completion: CompletionOutput) -> dict[str, Any]:
@@ -113,41 +133,12 @@ class _Generate:
             "e2e_latency": time.perf_counter() - self.started,
         }
         if self.body.return_logprob:
-            meta.update(self._logprobs(output, completion))
+            meta.update(self.logprobs.fields(p, output, completion))
         return {
             "text": completion.text,
             "output_ids": list(completion.token_ids),
             "meta_info": meta,
         }
-
-    def _logprobs(self, output: RequestOutput, completion: CompletionOutput) -> dict[str, Any]:
-        ids = list(completion.token_ids)
-        positions = completion.logprobs or []
-        chosen = [[pos[t].logprob, t, None] for t, pos in zip(ids, positions, strict=False)]
-        result: dict[str, Any] = {"output_token_logprobs": chosen}
-        if self.body.top_logprobs_num > 0:  # as SGLang: the key only when asked for
-            num = self.body.top_logprobs_num
-            by_rank = [sorted(pos.items(), key=lambda i: i[1].rank or 0) for pos in positions]
-            result["output_top_logprobs"] = [
-                [[lp.logprob, t, None] for t, lp in ranked if 0 < (lp.rank or 0) <= num]
-                for ranked in by_rank
-            ]
-        if self.body.logprob_start_len >= 0:
-            prompt_ids = list(output.prompt_token_ids)
-            prompt_lps = output.prompt_logprobs or [None] * len(prompt_ids)
-            result["input_token_logprobs"] = [
-                [None if pos is None else pos[t].logprob, t, None]
-                for t, pos in list(zip(prompt_ids, prompt_lps, strict=False))[
-                    self.body.logprob_start_len :
-                ]
-            ]
-        if self.body.return_text_in_logprobs:
-            for key in ("output_token_logprobs", "input_token_logprobs"):
-                entries = result.get(key, [])
-                texts = token_texts(self.tokenizer, [e[1] for e in entries])
-                for entry, text in zip(entries, texts, strict=True):
-                    entry[2] = text
-        return result
 
     async def events(self, started: Any) -> AsyncIterator[bytes]:
         try:

@@ -147,3 +147,21 @@ def test_custom_params_are_refused_with_what_to_do(server) -> None:
     reply = server.post("/generate", {**body, "sampling_params": {**sampling, **custom}})
     assert reply.status_code == 400
     assert "return_top_p_token_ids" in reply.text and "rollout-top-p 1.0" in reply.text
+
+
+def test_max_new_tokens_beyond_the_context_is_capped_not_refused(server) -> None:
+    """SGLang caps ``max_new_tokens`` at the room beside the prompt
+    (``Scheduler.init_req_max_new_tokens``): slime asks for its whole response budget whatever
+    the prompt's length, and gets a "length" finish where the context ends."""
+    sampling = {"max_new_tokens": 1000, "min_new_tokens": 300, **GREEDY}
+    body = {"input_ids": [PROMPTS[0], PROMPTS[2]], "sampling_params": sampling}
+    reply = server.post("/generate", body)
+    assert reply.status_code == 200, reply.text
+    for output, prompt in zip(reply.json(), (PROMPTS[0], PROMPTS[2]), strict=True):
+        room = 256 - len(prompt)  # each prompt its own room in the 256-token context
+        assert output["meta_info"]["completion_tokens"] == len(output["output_ids"]) == room
+        assert output["meta_info"]["finish_reason"] == {"type": "length", "length": room}
+    # The values asked for are still checked against each other, as SGLang's verify() does.
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 5}}
+    reply = server.post("/generate", body)
+    assert reply.status_code == 400 and "min_new_tokens" in reply.json()["error"]["message"]
