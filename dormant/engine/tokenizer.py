@@ -74,8 +74,12 @@ class Tokenizer(Protocol):
         """A decoder for the output that follows ``prompt_token_ids``."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt ids of a chat, ending with the assistant's turn; ``TokenizerError`` if
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], **template_kwargs: Any
+    ) -> list[int]:
+        """The prompt ids of a chat, ending with the assistant's turn unless
+        ``template_kwargs`` say otherwise (``add_generation_prompt``, ``continue_final_message``,
+        and what the template itself reads, e.g. ``enable_thinking``); ``TokenizerError`` if
         the tokenizer has no chat template."""
         ...
 
@@ -111,7 +115,9 @@ class ByteTokenizer:
     ) -> IncrementalDecoder:
         return ByteDecoder()
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], **template_kwargs: Any
+    ) -> list[int]:
         raise TokenizerError(
             "this model has no tokenizer (bytes stand in for one), so no chat template; "
             "use /v1/completions with a prompt"
@@ -181,14 +187,15 @@ class HFTokenizer:
             return FullDecodeDiff(self, skip_special_tokens)
         return primed_stream_decoder(backend, prompt_token_ids, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], **template_kwargs: Any
+    ) -> list[int]:
         if not getattr(self._tokenizer, "chat_template", None):
             raise TokenizerError(
                 "the model's tokenizer has no chat template; use /v1/completions with a prompt"
             )
-        ids = self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
+        options = {"add_generation_prompt": True, **template_kwargs}
+        ids = self._tokenizer.apply_chat_template(messages, tokenize=True, **options)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 

@@ -15,6 +15,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from dormant.core.sampling_params import SamplingParams
 from dormant.engine.outputs import RequestOutput
 from dormant.server import responses as r
+from dormant.server.errors import BadRequestError
 from dormant.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,7 +69,11 @@ async def chat(body: ChatCompletionRequest, request: Request) -> Any:
     serving = serving_of(request)
     serving.check_model(body.model)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompts = [await serving.chat_prompt(messages)]
+    try:
+        template_kwargs = body.template_kwargs()
+    except ValueError as error:
+        raise BadRequestError(str(error)) from error
+    prompts = [await serving.chat_prompt(messages, template_kwargs)]
     requested = body.max_completion_tokens or body.max_tokens
     k = body.top_logprobs or 0
     defaults = request.app.state.sampling_defaults
@@ -97,8 +102,6 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     serving = serving_of(request)
     serving.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
-        from dormant.server.errors import BadRequestError
-
         raise BadRequestError("give exactly one of prompt or messages")
     if body.messages is not None:
         prepared = await serving.chat_prompt(

@@ -48,6 +48,10 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+# What the chat template's own call sets: a request may not.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"tokenize", "chat_template", "conversation", "return_dict", "return_tensors", "tools"}
+)
 # The fields a request that leaves them unset takes from the model's generation config.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -138,6 +142,33 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: how the chat template renders the messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(default=None, description="only null: the model's")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """vLLM's: the two switches, then ``chat_template_kwargs`` over them (what the
+        template reads, e.g. Qwen3's ``enable_thinking``)."""
+        if self.chat_template is not None:
+            raise ValueError(
+                "chat_template from a request is not accepted (as vLLM without "
+                "--trust-request-chat-template): leave it out to use the model's, or render "
+                "the prompt yourself and send it to /v1/completions"
+            )
+        kwargs = dict(self.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}")
+        kwargs = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            **kwargs,
+        }
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        return kwargs
 
 
 class TokenizeRequest(Strict):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -122,7 +123,11 @@ class Serving:
             )
         return requested
 
-    async def chat_prompt(self, messages: list[dict[str, str]]) -> Prepared:
+    async def chat_prompt(
+        self, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> Prepared:
+        """The chat's prompt through the model's template (``template_kwargs``: vLLM's
+        ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``)."""
         if len(messages) >= self.max_model_len:  # a template spends a token on each, at least
             raise BadRequestError(
                 f"{len(messages)} messages cannot fit: the context holds {self.max_model_len} "
@@ -136,9 +141,8 @@ class Serving:
             )
         tokenizer = self.tokenizer()
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(
-            self._tokenize_pool, tokenizer.apply_chat_template, messages
-        )
+        render = functools.partial(tokenizer.apply_chat_template, **(template_kwargs or {}))
+        ids = await loop.run_in_executor(self._tokenize_pool, render, messages)
         return self.check_ids(ids, None)
 
     def tokenizer(self) -> Any:
