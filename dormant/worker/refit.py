@@ -26,9 +26,10 @@ from dormant.memory import RUNTIME, WEIGHTS, MemoryManager
 from dormant.models import CausalLM, iterate_safetensors, iterate_safetensors_metadata
 from dormant.worker import ipc_weights
 from dormant.worker.draft_model import DraftModel
+from dormant.worker.group_broadcasts import DTypeLike
 from dormant.worker.ipc_receiver import IpcReceiver
 from dormant.worker.mtp_draft import MTPDraftModel
-from dormant.worker.update_group import DTypeLike, WeightUpdateGroups
+from dormant.worker.update_group import WeightUpdateGroups
 from dormant.worker.weight_routes import WeightRoutes
 
 # Serialized entries (one per TP rank, or one for all), or named tensors in-process.
@@ -128,8 +129,9 @@ class Refitter:
         load_format: str | None = None,
     ) -> tuple[str, ...]:
         """Receives a broadcast from the trainer (rank 0 of the group) in bounded buckets; the
-        draft's names as ``update_weights`` takes them. Refused while the weights are asleep
-        with the broadcasts received and dropped, so the group stays in step."""
+        draft's names as ``update_weights`` takes them. Every refusal leaves the group in step
+        (the broadcasts received and dropped: the weights asleep, a name that does not fit) or
+        destroyed (lists that do not say what arrives), as ``update_group.py``'s table says."""
         names_written = self.groups.update_weights_from_distributed(
             self._model(), names, dtypes, shapes, group_name, load_format=load_format,
             draft=self._draft(),

@@ -16,4 +16,13 @@ class WeightTransferError(EngineError):
 
 class UpdateGroupError(EngineError, ValueError):
     """A weight-update group call that cannot be honoured as asked (an unknown or duplicate
-    group name, a rank outside the group, an unknown backend); nothing was changed."""
+    group name, a rank outside the group, an unknown backend); nothing was changed, unless it is
+    an ``UpdateGroupDestroyedError``."""
+
+
+class UpdateGroupDestroyedError(UpdateGroupError):
+    """An ``update_weights_from_distributed`` request whose lists or format do not say what the
+    trainer broadcasts beside it (lists of different lengths, an unknown dtype, a shape that is
+    not a list of non-negative ints, an unknown ``load_format``): nothing was received or
+    written, and the group was destroyed, so that the trainer's broadcast fails instead of
+    waiting for a receiver. Both sides must create the group again."""

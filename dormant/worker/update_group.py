@@ -1,100 +1,56 @@
 """Weight-update groups: the trainer broadcasts new weights to the engine's ranks (SGLang's API).
 
-A group has ``world_size`` ranks: the trainer is rank 0 and engine TP rank ``t`` is
-``rank_offset + t``. It is built the way SGLang, slime and OpenRLHF build theirs (a TCP
-rendezvous on the trainer's ``master_address:master_port``, a ``PrefixStore`` named after the
-group, torch's process-group helper), so a trainer using their ``init_custom_process_group``
-can join it, and it never touches torch.distributed's default group, which the engine may use
-for its own TP group.
+``group_rendezvous.py`` builds a group; ``group_broadcasts.py`` receives a request's tensors.
+The trainer broadcasts beside each ``update_weights_from_distributed`` call whatever the engine
+answers, so every outcome leaves the group known: in step (every broadcast of the request
+received) or destroyed (the trainer's broadcast over it then fails: over gloo at once, over NCCL
+possibly only at the trainer's own timeout)::
 
-Receiving, per ``update_weights_from_distributed`` call::
+    refusal or failure                        broadcasts         weights           group
+    ────────────────────────────────────────  ─────────────────  ────────────────  ─────────
+    no group of that name                     none received      unchanged         -
+    lists or format unreadable (lengths,      none received      unchanged         destroyed
+      dtype, shape: what arrives is unknown)
+    weights asleep; a name, shape or dtype    received, dropped  unchanged         in step
+      that does not fit the model
+    ... and a broadcast of it fails           partly received    unchanged         destroyed
+    a broadcast fails mid-refit               partly received    every one stale   destroyed
+    a write fails mid-refit                   rest dropped       every one stale   in step
 
-    load_format         what rank 0 broadcasts           what this rank holds at once
-    ──────────────────  ───────────────────────────────  ────────────────────────────────────
-    None                each tensor, in the listed order  one bucket of receive buffers
-                                                          (≤ bucket_bytes, or one larger tensor)
-    "flattened_bucket"  one uint8 buffer: the tensors'    that buffer (the trainer sizes it)
-                        bytes back to back, in order
-
-Every tensor goes through a ``load_weights`` call fed by a generator (one call, or one per run
-of consecutive names of the target or of speculative decoding's draft, ``weight_routes.py``), so
-a broadcast that fails or times out partway fails such a call, and the model's observer marks
-every weight stale. A request whose names or shapes do not fit, or that comes while the weights
-are asleep, is refused before anything is written; its broadcasts are still received (and
-dropped), so the trainer is not left blocked and the next request does not receive them. A
-failed broadcast destroys the group: the trainer must create it again.
+Each tensor goes through a ``load_weights`` call fed by ``Broadcasts`` (one call, or one per run
+of the target's or the draft's names, ``weight_routes.py``), whose observer marks every weight
+stale on a failure partway: the engine refuses to generate until all were written again.
+Destroying a group the engine destroyed itself is a no-op, so "destroy, then init" recovers
+every rank, whatever each one saw.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
-from dormant.core.errors import EngineAsleepError
+from dormant.errors import EngineError
 from dormant.models import CausalLM, WeightError
-from dormant.worker.ipc_weights import DEFAULT_BUCKET_BYTES, FLATTENED_BUCKET
-from dormant.worker.transfer_errors import UpdateGroupError, WeightTransferError
+from dormant.worker.group_broadcasts import BroadcastLost, BroadcastRequest, Broadcasts, DTypeLike
+from dormant.worker.group_rendezvous import BACKENDS, DEFAULT_TIMEOUT_S, create_update_group
+from dormant.worker.group_rendezvous import broadcast_weights as broadcast_weights  # its old home
+from dormant.worker.ipc_weights import DEFAULT_BUCKET_BYTES
+from dormant.worker.transfer_errors import (
+    UpdateGroupDestroyedError,
+    UpdateGroupError,
+    WeightTransferError,
+)
 from dormant.worker.weight_routes import Draft, WeightRoutes
 
-DEFAULT_TIMEOUT_S = 60.0
-BACKENDS = ("nccl", "gloo")
-DTypeLike = torch.dtype | str
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: torch.dtype
-    shape: torch.Size
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-def create_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str,
-    backend: str,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> dist.ProcessGroup:
-    """Joins (rank 0: hosts) the rendezvous and builds the group; both sides call this. Blocks
-    until all ``world_size`` ranks joined or ``timeout_s`` passed."""
-    timeout = timedelta(seconds=timeout_s)
-    init_method = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        store,
-        group_name=c10d.GroupName(group_name),
-        timeout=timeout,
-    )
-    # Group rank == "global" rank, so torch.distributed.broadcast(..., src=0, group=g) works.
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-def broadcast_weights(
-    group: dist.ProcessGroup, named_tensors: Sequence[tuple[str, Tensor]], timeout_s: float
-) -> None:
-    """The trainer's side (rank 0) of a ``load_format=None`` update: broadcasts each tensor."""
-    for _, tensor in named_tensors:
-        _wait(group.broadcast([tensor.contiguous()], _from_rank0()), timeout_s)
+STALE = (
+    "every weight is marked stale (some may hold new values, some old), so the engine refuses "
+    "to generate until all of them are written again"
+)
+RECREATE = "create it again on both sides (init_weights_update_group)"
 
 
 class WeightUpdateGroups:
@@ -113,6 +69,7 @@ class WeightUpdateGroups:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._destroyed: dict[str, str] = {}  # groups this rank destroyed itself: why
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._groups)
@@ -153,8 +110,12 @@ class WeightUpdateGroups:
                 f"{self.timeout_s} s ({type(error).__name__}: {error})"
             ) from error
         self._groups[group_name] = group
+        self._destroyed.pop(group_name, None)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
+        """Destroys the group; a no-op for one this rank destroyed itself after a failure."""
+        if group_name not in self._groups and self._destroyed.pop(group_name, None) is not None:
+            return
         dist.destroy_process_group(self.group(group_name))
         del self._groups[group_name]
 
@@ -176,131 +137,122 @@ class WeightUpdateGroups:
     ) -> set[str]:
         """Receives rank 0's broadcast of each named tensor and loads it into ``model``, or into
         ``draft`` for the names speculative decoding's draft owns (``weight_routes.py``);
-        returns the names written, as the rank's record has them. Raises ``WeightError`` when a
-        name, shape or dtype does not fit, or ``check_writable``'s ``EngineAsleepError`` (both:
-        nothing written, the broadcasts were drained), ``WeightTransferError`` (every weight
-        marked stale, the group destroyed) when a broadcast fails or times out, and
-        ``UpdateGroupError`` for an unknown group, format or malformed lists (nothing received
-        or written)."""
-        group = self.group(group_name)
-        specs = _specs(names, dtypes, shapes)
-        if load_format not in (None, FLATTENED_BUCKET):
-            raise UpdateGroupError(f"load_format={load_format!r}: use None or {FLATTENED_BUCKET!r}")
+        returns the names written, as the rank's record has them. Each refusal and failure
+        leaves what the module's table says, and its error says which: ``UpdateGroupError``
+        (no such group), ``UpdateGroupDestroyedError`` (lists or format unreadable),
+        ``check_writable``'s ``EngineAsleepError`` or ``WeightError`` (refused, drained),
+        ``WeightTransferError`` (a broadcast or a write failed)."""
+        self.group(group_name)  # none: UpdateGroupError, nothing received (no local: see below)
+        try:
+            request = BroadcastRequest.parse(names, dtypes, shapes, load_format)
+        except UpdateGroupError as error:
+            self._destroy_broken(group_name, f"a request it could not read: {error}")
+            raise UpdateGroupDestroyedError(
+                f"{error}. The engine cannot tell what the trainer broadcasts beside this "
+                f"request, so it received nothing, wrote no weight and destroyed weight-update "
+                f"group {group_name!r}, so that the trainer's broadcast over it fails (over gloo "
+                "at once; over NCCL possibly only at the trainer's own timeout). Destroy the "
+                f"trainer's side, {RECREATE}, and send lists and a format that match the "
+                "broadcast."
+            ) from None
+        broadcasts = Broadcasts(
+            self._groups[group_name], request, device=self.device,
+            bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
+        )  # fmt: skip
         routes = WeightRoutes(model, draft)
         try:
             check_writable()
-            routes.check_weights([(s.name, s.shape, s.dtype) for s in specs])
-        except (EngineAsleepError, WeightError):
-            # Keep in step with the trainer, which is broadcasting them: left unreceived, they
-            # would be the next request's tensors. Nothing is written.
-            for _ in self._receive(group_name, group, specs, load_format):
-                pass
-            raise
-        return routes.load_weights(self._receive(group_name, group, specs, load_format))
+            request.check_names()
+            routes.check_weights(request.metas())
+        except Exception as refusal:
+            raise self._drain_refused(group_name, broadcasts, refusal) from None
+        try:
+            return routes.load_weights(broadcasts)
+        except Exception as error:
+            raise self._write_failed(group_name, broadcasts, error) from error
 
-    def _receive(
-        self,
-        group_name: str,
-        group: dist.ProcessGroup,
-        specs: list[TensorSpec],
-        load_format: str | None,
-    ) -> Iterator[tuple[str, Tensor]]:
-        """Yields each received tensor; holds one bucket of buffers at a time."""
-        buckets = [specs] if load_format == FLATTENED_BUCKET else _buckets(specs, self.bucket_bytes)
-        num_received = 0
-        for bucket in buckets:
-            if load_format == FLATTENED_BUCKET:
-                num_bytes = sum(s.nbytes for s in bucket)
-                received = [torch.empty(num_bytes, dtype=torch.uint8, device=self.device)]
-            else:
-                received = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in bucket]
-            works = [group.broadcast([b], _from_rank0()) for b in received]  # pipelined
-            try:
-                for work in works:
-                    _wait(work, self.timeout_s)
-            except Exception as error:
-                self._drop_broken(group_name)
-                raise WeightTransferError(
-                    f"weight-update group {group_name!r}: the broadcast failed after "
-                    f"{num_received} of {len(specs)} tensors ({type(error).__name__}: {error}). "
-                    "The group was destroyed and every weight is marked stale: create the group "
-                    "again and send every weight."
-                ) from error
-            num_received += len(bucket)
-            is_flat = load_format == FLATTENED_BUCKET
-            buffers = _views(received[0], bucket) if is_flat else received
-            yield from zip((s.name for s in bucket), buffers, strict=True)
-            del buffers, received, works
+    def _drain_refused(
+        self, group_name: str, broadcasts: Broadcasts, refusal: Exception
+    ) -> Exception:
+        """Receives and drops a refused request's broadcasts: left unreceived, the trainer would
+        wait on them, or the next request would receive them. Returns the error to raise."""
+        try:
+            broadcasts.drop_rest()
+        except BroadcastLost as lost:
+            self._destroy_broken(group_name, str(lost), broadcasts)
+            return WeightTransferError(
+                f"refused ({type(refusal).__name__}: {refusal}); then, over weight-update group "
+                f"{group_name!r}, {lost}. No weight was written: the weights are as they were. "
+                f"The group was destroyed: {RECREATE}, then send the weights."
+            )
+        return _restated(
+            refusal,
+            f"No weight was written, and the request's broadcasts were received and dropped: "
+            f"weight-update group {group_name!r} is in step, so send the request again over it.",
+        )
+
+    def _write_failed(
+        self, group_name: str, broadcasts: Broadcasts, error: Exception
+    ) -> WeightTransferError:
+        """After a failure partway through a refit (the observer marked every weight stale):
+        receives the rest, if the broadcasts are intact, or destroys the group."""
+        was_lost = broadcasts.lost is not None
+        if not was_lost:
+            with contextlib.suppress(BroadcastLost):
+                broadcasts.drop_rest()
+        request = broadcasts.request
+        lost = broadcasts.lost
+        if lost is None:
+            return WeightTransferError(
+                f"weight-update group {group_name!r}: writing the weights failed after "
+                f"{broadcasts.num_received} of {len(request.specs)} tensors arrived "
+                f"({type(error).__name__}: {error}). The weights are partly written: {STALE}. "
+                "The rest of the request's broadcasts were received and dropped, so the group "
+                "is in step: send every weight again over it."
+            )
+        self._destroy_broken(group_name, str(lost), broadcasts)
+        what = f"{lost}" if was_lost else f"writing failed ({error}); then {lost}"
+        return WeightTransferError(
+            f"weight-update group {group_name!r}: {what}. The weights may be partly written: "
+            f"{STALE}. The group was destroyed: {RECREATE}, then send every weight."
+        )
 
     def group(self, group_name: str) -> dist.ProcessGroup:
         """The group named ``group_name``, for a caller's own collectives over it (a
         benchmark's plain broadcast); ``UpdateGroupError`` when there is none."""
-        if group_name not in self._groups:
+        if group_name in self._groups:
+            return self._groups[group_name]
+        if group_name in self._destroyed:
             raise UpdateGroupError(
-                f"no weight-update group {group_name!r} (groups: {list(self._groups)}); call "
-                "init_weights_update_group first"
+                f"weight-update group {group_name!r} was destroyed "
+                f"({self._destroyed[group_name]}): {RECREATE}"
             )
-        return self._groups[group_name]
-
-    def _drop_broken(self, group_name: str) -> None:
-        group = self._groups.pop(group_name)
-        c10d._abort_process_group(group)
-
-
-def _specs(
-    names: Sequence[str], dtypes: Sequence[DTypeLike], shapes: Sequence[Sequence[int]]
-) -> list[TensorSpec]:
-    if not len(names) == len(dtypes) == len(shapes):
         raise UpdateGroupError(
-            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
-            f"{len(shapes)})"
+            f"no weight-update group {group_name!r} (groups: {list(self._groups)}); call "
+            "init_weights_update_group first"
         )
-    return [
-        TensorSpec(name, _dtype(dtype), torch.Size(shape))
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
-    ]
+
+    def _destroy_broken(
+        self, group_name: str, reason: str, broadcasts: Broadcasts | None = None
+    ) -> None:
+        """Aborts a group out of step with the trainer (or about to be) and drops every
+        reference to it, so that the trainer's broadcast over it fails instead of waiting: a
+        gloo group closes its connections only once it is freed, not on abort, so no frame of
+        a traceback (which the caller may keep) may hold it (``Broadcasts.release``)."""
+        if broadcasts is not None:
+            broadcasts.release()
+        c10d._abort_process_group(self._groups.pop(group_name))
+        self._destroyed[group_name] = reason
 
 
-def _dtype(dtype: DTypeLike) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise UpdateGroupError(f"unknown dtype {dtype!r} (expected e.g. 'bfloat16')")
-    return found
-
-
-def _buckets(specs: list[TensorSpec], bucket_bytes: int) -> Iterator[list[TensorSpec]]:
-    bucket: list[TensorSpec] = []
-    size = 0
-    for spec in specs:
-        if bucket and size + spec.nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(spec)
-        size += spec.nbytes
-    if bucket:
-        yield bucket
-
-
-def _views(flat: Tensor, specs: list[TensorSpec]) -> list[Tensor]:
-    """Each tensor's bytes as its dtype (a slice not aligned to its dtype is copied out after
-    the broadcast filled it: one tensor's bytes)."""
-    views, offset = [], 0
-    for spec in specs:
-        part = flat[offset : offset + spec.nbytes]
-        part = part.clone() if offset % spec.dtype.itemsize else part
-        views.append(part.view(spec.dtype).reshape(spec.shape))
-        offset += spec.nbytes
-    return views
-
-
-def _from_rank0() -> dist.BroadcastOptions:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    return options
-
-
-def _wait(work: dist.Work, timeout_s: float) -> None:
-    if not work.wait(timedelta(seconds=timeout_s)):
-        raise TimeoutError(f"timed out after {timeout_s} s")
+def _restated(error: Exception, note: str) -> Exception:
+    """``error`` with ``note`` after its message, of the same type (callers and the server's
+    status map key on it)."""
+    if isinstance(error, WeightError):
+        return WeightError(error.problems, f"{error.hint} {note}")
+    if isinstance(error, EngineError) and len(error.args) == 1:
+        text = str(error)
+        with contextlib.suppress(TypeError):
+            return type(error)(f"{text}{' ' if text.endswith('.') else '. '}{note}")
+    error.add_note(note)
+    return error

@@ -33,6 +33,7 @@ from dormant.memory import (
     MemoryStatus,
 )
 from dormant.models import CausalLM, ModelConfig, build_model
+from dormant.worker.devices import memory_device
 from dormant.worker.draft_model import DraftModel, create_draft
 from dormant.worker.extension import call_extension, extended_worker_class
 from dormant.worker.ipc_receiver import IPC_REFIT_COMMANDS
@@ -63,7 +64,7 @@ class Worker:
         self.rank, self.world_size = rank, world_size
         self.local_rank = rank if local_rank is None else local_rank
         self.mm = MemoryManager(
-            _device_for(config.device, self.local_rank),
+            memory_device(config.device, self.local_rank),
             poison=config.memory_poison,
             strict=config.memory_strict,
         )
@@ -289,13 +290,3 @@ def create_worker(
     cls = Worker if qualname is None else extended_worker_class(Worker, qualname)
     # Keywords only, as vLLM builds its workers: an extension may define __new__(cls, **kwargs)
     return cls(config=config, rank=rank, world_size=world_size, local_rank=local_rank)
-
-
-def _device_for(device: str, rank: int) -> str:
-    if device == "auto":
-        return f"cuda:{rank}" if torch.cuda.is_available() else "host"
-    if device == "cpu":
-        return "host"
-    if device == "cuda":
-        return f"cuda:{rank}"
-    return device

@@ -293,14 +293,24 @@ def _distributed_trainer(port: int, conn: Connection) -> None:
 
 def _flattened_bucket_trainer(port: int, checkpoint: Path, conn: Connection) -> None:
     """SGLang's ``load_format="flattened_bucket"`` over the group: the metadata, then one
-    broadcast of the bucket's buffer (``update_weights_from_distributed`` takes the field)."""
+    broadcast of the bucket's buffer (``update_weights_from_distributed`` takes the field),
+    beside each call, whatever the engine answers; answers how it ended. Where it failed (the
+    engine destroyed the group), it hosts a new group on the port it is sent."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-    group = _init_process_group(port, world_size=2)
     named = trained_weights(checkpoint)
     conn.send(([n for n, _ in named], [t.dtype for _, t in named], [t.shape for _, t in named]))
-    dist.broadcast(flattened_bucket(named)["flattened_tensor"], 0, group=group)
-    conn.recv()
+    while port is not None:
+        group = _init_process_group(port, world_size=2)
+        try:
+            dist.broadcast(flattened_bucket(named)["flattened_tensor"], 0, group=group)
+            conn.send("ok")
+        except RuntimeError as error:
+            conn.send(str(error))
+            c10d._abort_process_group(group)  # its name is free again
+        del group
+        port = conn.recv()
 
 
 @dataclass
@@ -448,8 +458,9 @@ def test_slime_cycle_over_flattened_tensor_buckets(checkpoints, fresh, spawn, de
 
 def test_update_weights_from_distributed_takes_sglangs_load_format(checkpoints, fresh, spawn):
     """SGLang's field, which slime passes when set (sglang_engine.py L416-417): a
-    ``"flattened_bucket"`` arrives as one broadcast; an unknown format is refused before
-    anything is received."""
+    ``"flattened_bucket"`` arrives as one broadcast. With an unknown format the engine cannot
+    tell what the trainer broadcasts beside the call: it receives nothing and destroys the
+    group, so that the trainer's broadcast fails instead of hanging; joined again, it works."""
     expected = fresh_rollout(fresh, checkpoints, "cpu", 2)
     server = Server(checkpoints[1], "cpu")
     slime = SlimeEngine(server.url)
@@ -465,11 +476,25 @@ def test_update_weights_from_distributed_takes_sglangs_load_format(checkpoints, 
         reply = slime.update_weights_from_distributed(
             names, dtypes, shapes, GROUP, load_format="bogus"
         )
-        assert_refused(reply, 400, "UpdateGroupError")
+        assert_refused(reply, 400, "UpdateGroupDestroyedError")
+        outcome = trainer.recv()
+        assert outcome != "ok" and "timed out" not in outcome.lower(), outcome
+        reply = slime.update_weights_from_distributed(
+            names, dtypes, shapes, GROUP, load_format="flattened_bucket"
+        )
+        assert_refused(reply, 400, "UpdateGroupError")  # the group is gone
+        port = free_port()
+        trainer.send(port)
+        reply = slime.init_weights_update_group(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+            group_name=GROUP, backend="gloo",
+        )  # fmt: skip
+        assert reply.status_code == 200, reply.text
         reply = slime.update_weights_from_distributed(
             names, dtypes, shapes, GROUP, weight_version="1", load_format="flattened_bucket"
         )
         assert reply.status_code == 200, reply.text
+        assert trainer.recv() == "ok"
         trainer.send(None)
         assert rollout(slime) == expected
         assert slime.get_weight_version() == "1"

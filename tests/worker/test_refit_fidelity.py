@@ -1,7 +1,8 @@
 """Refit paths as the RL frameworks really drive them: a worker extension built the way vLLM
 builds it (verl's ``__new__(cls, **kwargs)``; conflicts found through the extension's bases), and
 a weight-update group kept in step with the trainer when a refit is refused because the weights
-are asleep."""
+are asleep, or fails partway through writing them (then the engine refuses to generate until a
+complete refit)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from typing import Any
 import pytest
 
 from dormant import LLM
-from dormant.core.errors import EngineAsleepError
+from dormant.core.errors import EngineAsleepError, WeightsNotLoadedError
 from dormant.executors.multiproc import free_port
+from dormant.models import weights as weight_io
 from dormant.worker.extension import WorkerExtensionError
+from dormant.worker.transfer_errors import WeightTransferError
 from dormant.worker.update_group import broadcast_weights, create_update_group
 from tests.engine.conftest import GREEDY, PROMPTS, hf_state_dict, tokens, write_checkpoint
+from tests.worker.group_trainer import failing_write
 
 GROUP = "refit"
 HERE = "tests.worker.test_refit_fidelity"
@@ -107,13 +111,49 @@ def test_a_refit_refused_while_asleep_keeps_the_group_in_step(make_llm, checkpoi
         llm.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
         names, dtypes, shapes = zip(*conn.recv(), strict=True)
         llm.sleep(level=2)
-        with pytest.raises(EngineAsleepError, match="wake_up"):
+        with pytest.raises(EngineAsleepError, match="wake_up") as error:
             llm.update_weights_from_distributed(names, dtypes, shapes, GROUP)  # seed 3's
+        assert f"weight-update group '{GROUP}' is in step" in str(error.value)
         conn.send(None)
         llm.wake_up(["weights"])
         llm.update_weights_from_distributed(names, dtypes, shapes, GROUP, weight_version="2")
         conn.send(None)
         llm.wake_up(["kv_cache"])
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == expected  # seed 2's, not seed 3's
+        llm.destroy_weights_update_group(GROUP)
+    finally:
+        trainer.join(timeout=10)
+        if trainer.is_alive():
+            trainer.kill()
+
+
+def test_a_refit_failing_midway_refuses_generation_and_keeps_the_group_in_step(
+    make_llm, checkpoints, monkeypatch
+) -> None:
+    """A write that fails partway leaves the weights mixed: generating is refused with a typed
+    error that says to refit, and the rest of the trainer's broadcast was received, so the next
+    refit over the same group loads its own tensors (seed 2's), not the failed one's."""
+    reference = make_llm(checkpoints[1])
+    expected = tokens(reference.generate(PROMPTS, GREEDY))
+    reference.shutdown()
+    llm = make_llm(checkpoints[0])
+    port = free_port()
+    context = mp.get_context("spawn")
+    conn, child = context.Pipe()
+    trainer = context.Process(target=_trainer, args=(port, [3, 2], child), daemon=True)
+    trainer.start()
+    try:
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
+        names, dtypes, shapes = zip(*conn.recv(), strict=True)
+        monkeypatch.setattr(weight_io, "load_weights", failing_write(after=5))
+        with pytest.raises(WeightTransferError, match="the group is in step"):
+            llm.update_weights_from_distributed(names, dtypes, shapes, GROUP)  # seed 3's
+        monkeypatch.undo()
+        conn.send(None)
+        with pytest.raises(WeightsNotLoadedError, match="a refit failed partway"):
+            llm.generate(PROMPTS, GREEDY)
+        llm.update_weights_from_distributed(names, dtypes, shapes, GROUP)
+        conn.send(None)
         assert tokens(llm.generate(PROMPTS, GREEDY)) == expected  # seed 2's, not seed 3's
         llm.destroy_weights_update_group(GROUP)
     finally:
