@@ -21,9 +21,12 @@ What it registers, all backed by dormant's own classes:
     vllm.v1.engine.exceptions               EngineDeadError, EngineGenerateError
     vllm.utils                              random_uuid (OpenRLHF's request ids)
     vllm.utils.network_utils                get_open_port (a free port), get_ip (loopback)
-    vllm.distributed.weight_transfer.*      names that raise when used: vLLM's own NCCL
-                                            transfer engine has no dormant equivalent; use
-                                            update_weights_from_distributed
+    vllm.distributed.weight_transfer.*      the trainer's side of vLLM's NCCL weight transfer:
+                                            base (the request types), nccl_common.trainer_init,
+                                            packed_tensor.packed_nccl_broadcast_producer,
+                                            nccl_engine.NCCLWeightTransferEngine (and its
+                                            args); over dormant's group, not vLLM's
+                                            (``vllm_weight_transfer.py``)
 
 ``vllm.__version__`` is ``VLLM_VERSION``: the newest vLLM release whose Python API dormant mirrors
 (TRL 1.16 accepts 0.22 to 0.31), with dormant's version as its local part. A real vLLM that is
@@ -48,10 +51,6 @@ _MARKER = "__dormant_compat__"
 
 class VllmAlreadyImportedError(EngineError, ImportError):
     """``install_as_vllm()`` after a real vLLM was imported: the two cannot share the name."""
-
-
-class NotProvidedByDormantError(EngineError, NotImplementedError):
-    """A vLLM name a framework imports at start-up, used, with no dormant equivalent."""
 
 
 def install_as_vllm() -> types.ModuleType:
@@ -94,8 +93,7 @@ def install_as_vllm() -> types.ModuleType:
     _module("vllm.utils.network_utils", get_open_port=get_open_port, get_ip=get_ip)
     _module("vllm.distributed")
     _module("vllm.distributed.weight_transfer")
-    for name, symbols in _UNPROVIDED.items():
-        _module(name, **{symbol: _unprovided(f"{name}.{symbol}") for symbol in symbols})
+    _install_weight_transfer()
     return root
 
 
@@ -154,27 +152,26 @@ def get_ip() -> str:
     return "127.0.0.1"
 
 
-_UNPROVIDED = {
-    "vllm.distributed.weight_transfer.nccl_engine": (
-        "NCCLTrainerSendWeightsArgs",
-        "NCCLWeightTransferEngine",
-    ),
-    "vllm.distributed.weight_transfer.packed_tensor": ("packed_nccl_broadcast_producer",),
-    "vllm.distributed.weight_transfer.nccl_common": ("trainer_init",),
-}
+def _install_weight_transfer() -> None:
+    from dormant import vllm_weight_transfer as wt
 
-
-def _unprovided(qualname: str) -> type:
-    """A stand-in that imports fine and raises NotProvidedByDormantError when used."""
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise NotProvidedByDormantError(
-            f"{qualname} is vLLM's own weight-transfer engine, which dormant does not provide; "
-            "refit with LLM.update_weights_from_distributed (SGLang's weight-update group) or "
-            "update_weights_from_tensor instead"
-        )
-
-    return type(qualname.rsplit(".", 1)[1], (), {"__new__": refuse, "__call__": refuse})
+    _module(
+        "vllm.distributed.weight_transfer.base",
+        WeightTransferInitRequest=wt.WeightTransferInitRequest,
+        WeightTransferUpdateRequest=wt.WeightTransferUpdateRequest,
+    )
+    _module("vllm.distributed.weight_transfer.nccl_common", trainer_init=wt.trainer_init)
+    _module(
+        "vllm.distributed.weight_transfer.packed_tensor",
+        packed_nccl_broadcast_producer=wt.packed_nccl_broadcast_producer,
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES=wt.DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS=wt.DEFAULT_PACKED_NUM_BUFFERS,
+    )
+    _module(
+        "vllm.distributed.weight_transfer.nccl_engine",
+        NCCLWeightTransferEngine=wt.NCCLWeightTransferEngine,
+        NCCLTrainerSendWeightsArgs=wt.NCCLTrainerSendWeightsArgs,
+    )
 
 
 def _module(name: str, **symbols: Any) -> types.ModuleType:

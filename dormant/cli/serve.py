@@ -26,6 +26,16 @@ ENGINE_OPTIONS: list[tuple[str, Any, Any, str]] = [
     ("--seed", int, None, "seed of the engine's random draws"),
     ("--tokenizer", str, None, "tokenizer directory (default: the model's)"),
     ("--load-format", str, None, "auto (the checkpoint), or dummy for random weights"),
+    ("--logprobs-mode", str, None, "raw_logprobs (default), processed_logprobs, raw_logits..."),
+    ("--max-logprobs", int, None, "most logprobs a request may ask for (-1: the vocabulary)"),
+    ("--generation-config", str, None, "unset sampling fields from: auto (the model's), vllm"),
+    ("--override-generation-config", str, None, "JSON of sampling defaults over the model's"),
+    (
+        "--weight-transfer-config",
+        str,
+        None,
+        'vLLM\'s weight-transfer routes: \'{"backend": "nccl"}\'',
+    ),
 ]
 
 

@@ -17,7 +17,7 @@ from dormant.core import generation_config as sampling_source
 from dormant.core.errors import UnsupportedOptionError
 from dormant.core.sampling_params import SamplingParams
 from dormant.core.speculative_config import SpeculativeConfig
-from dormant.core.vllm_options import resolve_vllm_options
+from dormant.core.vllm_options import parse_weight_transfer_config, resolve_vllm_options
 from dormant.models import ModelConfig
 
 _DTYPES = {
@@ -106,6 +106,9 @@ class EngineConfig:
     # (``core/generation_config.py``; ``sampling_defaults`` below)
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
+    # vLLM's: turns on its weight-transfer API (``engine/weight_transfer.py``): None, or
+    # {"backend": "nccl"} (NCCL on GPUs, gloo on the CPU)
+    weight_transfer_config: dict[str, Any] | None = field(default=None, compare=False)
 
     @classmethod
     def create(
@@ -125,6 +128,9 @@ class EngineConfig:
         options = resolve_vllm_options(options)
         options["override_generation_config"] = sampling_source.parse_override(
             options.get("override_generation_config")
+        )
+        options["weight_transfer_config"] = parse_weight_transfer_config(
+            options.get("weight_transfer_config")
         )
         if options.get("max_num_seqs", 0) is None:
             options["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS

@@ -43,6 +43,7 @@ _ONLY_VALUE: dict[str, tuple[object | tuple[object, ...], str]] = {
 # eagerly, whatever the mode asks of prefills; "NONE" runs everything eagerly.
 _CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 _COMPILATION_KEYS = ("cudagraph_mode", "cudagraph_capture_sizes")
+WEIGHT_TRANSFER_BACKENDS = ("nccl",)
 
 
 def engine_args_fields(engine_args: Any) -> dict[str, Any]:
@@ -129,3 +130,23 @@ def _apply_compilation_config(options: dict[str, Any], config: Any) -> None:
                 f"cuda_graph_batch_sizes={given}; give one of them"
             )
         options["cuda_graph_batch_sizes"] = graph_sizes
+
+
+def parse_weight_transfer_config(value: Any) -> dict[str, Any] | None:
+    """vLLM's ``weight_transfer_config``: None, a dict or its JSON, ``{"backend": "nccl"}``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise UnsupportedOptionError(f"weight_transfer_config={value!r}: {error}") from error
+    fields = value if isinstance(value, Mapping) else getattr(value, "__dict__", None)
+    config = dict(fields) if fields is not None else {"backend": value}
+    if config.get("backend", "nccl") not in WEIGHT_TRANSFER_BACKENDS or set(config) - {"backend"}:
+        raise UnsupportedOptionError(
+            f"weight_transfer_config={value!r} is not supported: dormant's is "
+            '{"backend": "nccl"} (NCCL on GPUs, gloo on the CPU); for CUDA IPC handles use '
+            "update_weights_from_tensor (SGLang's) or a worker extension"
+        )
+    return {"backend": config.get("backend", "nccl")}

@@ -31,6 +31,7 @@ from typing import Any
 from dormant.core.errors import UnsupportedOptionError
 from dormant.core.sampling_params import RequestOutputKind, SamplingParams
 from dormant.core.vllm_options import engine_args_fields
+from dormant.engine.async_weight_transfer import AsyncWeightTransferCalls
 from dormant.engine.engine_client import EngineClientState
 from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.llm import LLM
@@ -51,7 +52,7 @@ __all__ = ["REFIT_POLICIES", "AsyncLLM", "Listener", "Prompt", "RequestOutputKin
 _DRAIN_POLL_S = 0.01
 
 
-class AsyncLLM(EngineClientState):
+class AsyncLLM(EngineClientState, AsyncWeightTransferCalls):
     """An engine for asyncio callers. ``AsyncLLM(model, **options)`` takes ``LLM``'s options,
     plus ``refit_policy`` (``"wait"`` or ``"abort"``; see the module docstring)."""
 

@@ -25,8 +25,10 @@ from dormant.engine.llm_sglang import SGLangCalls
 from dormant.engine.outputs import RequestOutput
 from dormant.engine.request_stream import check_vllm_request_options
 from dormant.engine.tokenizer import TokenizerError
+from dormant.engine.weight_transfer import WeightTransfer, is_update_request
 from dormant.memory import AuditReport
 from dormant.models import ModelConfig
+from dormant.vllm_weight_transfer import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 
@@ -38,6 +40,10 @@ class LLM(SGLangCalls):
     def __init__(self, model: str | Path | ModelConfig, **options: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig.create(model, **options))
         self._sampling_defaults = self.llm_engine.config.sampling_defaults
+        config = self.llm_engine.config
+        self.weight_transfer = WeightTransfer(
+            self.llm_engine.refits, config.weight_transfer_config, config.device
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what ``generate`` samples with when given no ``sampling_params``: the
@@ -177,13 +183,41 @@ class LLM(SGLangCalls):
 
     def update_weights(
         self,
-        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        weights: Iterable[tuple[str, torch.Tensor]]
+        | Mapping[str, Any]
+        | WeightTransferUpdateRequest,
         weight_version: str | None = None,
     ) -> None:
         """Refits in place from (HF name, tensor) pairs or a state dict, host or device, floats
-        of any dtype (cast on copy); checks names and shapes of all of them before writing."""
+        of any dtype (cast on copy); checks names and shapes of all of them before writing.
+
+        Given vLLM's ``WeightTransferUpdateRequest`` (or ``{"update_info": {...}}``), receives
+        the trainer's broadcast instead, as vLLM's weight-transfer engine does (between
+        ``start_weight_update`` and ``finish_weight_update``)."""
+        if is_update_request(weights):
+            self.weight_transfer.update(cast(WeightTransferUpdateRequest, weights))
+            return
         items = weights.items() if isinstance(weights, Mapping) else weights
-        self.llm_engine.update_weights(items, weight_version)
+        self.llm_engine.update_weights(
+            cast(Iterable[tuple[str, torch.Tensor]], items), weight_version
+        )
+
+    def init_weight_transfer_engine(
+        self, request: WeightTransferInitRequest | Mapping[str, Any]
+    ) -> None:
+        """vLLM's: every rank joins the trainer's weight-transfer group (``init_info``:
+        ``master_address``, ``master_port``, ``rank_offset``, ``world_size``, optionally
+        ``packed``); needs ``weight_transfer_config={"backend": "nccl"}``."""
+        self.weight_transfer.init(request)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """vLLM's: opens a weight-update session (``update_weights(request)`` calls, then
+        ``finish_weight_update``)."""
+        self.weight_transfer.start(is_checkpoint_format)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """vLLM's: closes the session; ``weight_version`` names the weights it wrote."""
+        self.weight_transfer.finish(weight_version)
 
     def collective_rpc(
         self,

@@ -119,13 +119,16 @@ class WeightRefits:
         flush_cache: bool = True,
         weight_version: str | None = None,
         load_format: str | None = None,
+        packed_bytes: int | None = None,
     ) -> Names:
-        """SGLang's: receives the trainer's broadcast of ``names`` on every rank."""
+        """SGLang's: receives the trainer's broadcast of ``names`` on every rank (vLLM's
+        weight transfer: ``load_format="packed"``, in chunks of ``packed_bytes``)."""
         args = (list(names), [str(d) for d in dtypes], [list(s) for s in shapes], group_name)
         return self.run(
             Command.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
             *args,
             load_format,
+            packed_bytes,
             weight_version=weight_version,
         )
 

@@ -1,15 +1,20 @@
 """The HTTP server: FastAPI routes over one ``AsyncLLM``, served by uvicorn.
 
-| routes                                            | file                 |
-|---------------------------------------------------|----------------------|
-| /v1/completions, /v1/chat/completions, /v1/models, | ``openai_routes.py`` |
-| /tokenize, /detokenize                            |                      |
-| /generate, /abort_request, /health_generate       | ``sglang_routes.py`` |
-| vLLM's /sleep, /wake_up, /is_sleeping, /pause,    | ``admin_routes.py``  |
-| /resume, /reset_prefix_cache, /collective_rpc;    |                      |
-| SGLang's memory, pause and refit routes           |                      |
-| /health, /version, /server_info, /get_server_info, | here                 |
-| /get_model_info, /metrics, /openapi.json          |                      |
+| routes                                               | file                          |
+|------------------------------------------------------|-------------------------------|
+| /v1/completions, /v1/chat/completions, /v1/models,   | ``openai_routes.py``          |
+| /tokenize, /detokenize                               |                               |
+| /generate, /abort_request, /health_generate          | ``sglang_routes.py``          |
+| /v1/loads                                            | ``sglang_loads.py``           |
+| vLLM's /sleep, /wake_up, /is_sleeping, /pause,       | ``admin_routes.py``           |
+| /resume, /reset_prefix_cache; SGLang's memory, pause |                               |
+| and refit routes                                     |                               |
+| /collective_rpc                                      | ``rpc_route.py``              |
+| /init_weight_transfer_engine, /start_weight_update,  | ``weight_transfer_routes.py`` |
+| /update_weights, /finish_weight_update (vLLM's),     |                               |
+| /get_world_size, /is_paused                          |                               |
+| /health, /version, /server_info, /get_server_info,   | here                          |
+| /model_info, /get_model_info, /metrics, /openapi.json |                              |
 
 Every request first passes ``SecurityMiddleware`` (Host, Origin, API key, admin token,
 Content-Type, body size and time); errors are typed JSON (``errors.py``).
@@ -24,13 +29,13 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
 
 from dormant.engine.async_llm import AsyncLLM
-from dormant.server import admin_routes, openai_routes, sglang_routes
+from dormant.server import admin_routes, openai_routes, sglang_routes, weight_transfer_routes
 from dormant.server.connection import header_timeout_protocol
 from dormant.server.errors import install_error_handlers
 from dormant.server.metrics import Metrics
@@ -74,7 +79,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     # vLLM's default_sampling_params: the OpenAI routes fill unset fields from them
     app.state.sampling_defaults = engine.engine.config.sampling_defaults
     install_error_handlers(app)
-    for module in (openai_routes, sglang_routes, admin_routes):
+    for module in (openai_routes, sglang_routes, admin_routes, weight_transfer_routes):
         app.include_router(module.router, dependencies=[Depends(forbid_unknown_query)])
     _add_info_routes(app, serving, metrics)
     app.add_middleware(SecurityMiddleware, settings=settings)
@@ -94,10 +99,22 @@ def _add_info_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     async def get_version() -> dict[str, str]:
         return {"version": version()}
 
-    async def server_info() -> dict[str, Any]:
+    async def server_info(config_format: Literal["json", "text"] = "json") -> dict[str, Any]:
+        """SGLang's server args, and vLLM's ``vllm_config`` (TRL checks its
+        ``weight_transfer_config``; ``config_format`` as vLLM's, "text" gives it as a string)."""
         settings = serving.settings
         config = engine.engine.config
+        vllm_config = {
+            "weight_transfer_config": config.weight_transfer_config,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "max_model_len": config.max_model_len,
+            "enable_sleep_mode": config.enable_sleep_mode,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "logprobs_mode": config.logprobs_mode,
+            "max_logprobs": config.max_logprobs,
+        }
         return {
+            "vllm_config": vllm_config if config_format == "json" else str(vllm_config),
             # SGLang's server-args names that RL frameworks read: slime sizes an external
             # engine by tp/pp size and checks enable_memory_saver against --offload-rollout.
             "enable_memory_saver": bool(config.enable_sleep_mode),
@@ -131,9 +148,9 @@ def _add_info_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
     app.add_api_route("/server_info", server_info, methods=["GET"], name="server_info")
     app.add_api_route("/get_server_info", server_info, methods=["GET"], name="get_server_info")
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict[str, Any]:
-        """SGLang's keys; ``model_path`` is the served name (no file system path is shown)."""
+    async def model_info() -> dict[str, Any]:
+        """SGLang's keys (its router reads ``architectures`` when a worker registers);
+        ``model_path`` is the served name (no file system path is shown)."""
         name = serving.model_name
         return {
             "model_path": name,
@@ -141,7 +158,12 @@ def _add_info_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.weight_version,
+            "architectures": [engine.engine.config.model_config.architecture],
         }
+
+    # SGLang's current name, and the older one slime and verl call
+    app.add_api_route("/model_info", model_info, methods=["GET"], name="model_info")
+    app.add_api_route("/get_model_info", model_info, methods=["GET"], name="get_model_info")
 
     @app.get("/metrics")
     async def get_metrics(request: Request) -> Response:

@@ -42,7 +42,8 @@ ADMIN_ROUTES = frozenset(
         "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
         "/update_weights_from_tensor", "/init_weights_update_group",
         "/update_weights_from_distributed", "/destroy_weights_update_group",
-        "/update_weight_version", "/abort_request",
+        "/update_weight_version", "/abort_request", "/init_weight_transfer_engine",
+        "/start_weight_update", "/update_weights", "/finish_weight_update",
     }
 )  # fmt: skip
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

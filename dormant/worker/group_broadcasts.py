@@ -9,6 +9,9 @@ stay in step with it::
                                                           (≤ bucket_bytes, or one larger tensor)
     "flattened_bucket"  one uint8 buffer: the tensors'    that buffer (the trainer sizes it)
                         bytes back to back, in order
+    "packed"            vLLM's packed chunks: uint8       one chunk (≤ packed_bytes plus the
+                        buffers as ``packed_chunks`` cuts  tensor that passed it)
+                        them at ``packed_bytes``
 
 Receiving needs only the count, dtypes and shapes, and the format: ``BroadcastRequest.parse``
 raises ``UpdateGroupError`` where they do not say what arrives (lists of different lengths, an
@@ -23,9 +26,10 @@ from __future__ import annotations
 import math
 import operator
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +39,25 @@ from dormant.worker.ipc_weights import FLATTENED_BUCKET
 from dormant.worker.transfer_errors import UpdateGroupError
 
 DTypeLike = torch.dtype | str
+PACKED = "packed"  # vLLM's weight-transfer format (``vllm_weight_transfer.py``)
+T = TypeVar("T")
+
+
+def packed_chunks(
+    items: Iterable[T], nbytes: Callable[[T], int], buffer_bytes: int
+) -> Iterator[list[T]]:
+    """vLLM's packing rule (its ``pack_tensors``): items in order, a chunk closed by the item
+    that takes its bytes past ``buffer_bytes``, so one larger item is never split."""
+    chunk: list[T] = []
+    total = 0
+    for item in items:
+        chunk.append(item)
+        total += nbytes(item)
+        if total > buffer_bytes:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,7 @@ class BroadcastRequest:
 
     specs: tuple[TensorSpec, ...]
     load_format: str | None
+    packed_bytes: int | None = None  # the chunk size of the "packed" format
 
     @classmethod
     def parse(
@@ -62,10 +86,14 @@ class BroadcastRequest:
         dtypes: Sequence[DTypeLike],
         shapes: Sequence[Sequence[int]],
         load_format: str | None,
+        packed_bytes: int | None = None,
     ) -> BroadcastRequest:
         """Raises ``UpdateGroupError`` where the lists or the format do not say what arrives."""
-        if load_format not in (None, FLATTENED_BUCKET):
+        if load_format not in (None, FLATTENED_BUCKET, PACKED):
             raise UpdateGroupError(f"load_format={load_format!r}: use None or {FLATTENED_BUCKET!r}")
+        is_size = isinstance(packed_bytes, int) and not isinstance(packed_bytes, bool)
+        if load_format == PACKED and not (is_size and packed_bytes > 0):  # type: ignore[operator]
+            raise UpdateGroupError(f"packed_bytes={packed_bytes!r}: a packed chunk size > 0")
         if not len(names) == len(dtypes) == len(shapes):
             raise UpdateGroupError(
                 f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
@@ -75,7 +103,7 @@ class BroadcastRequest:
             TensorSpec(name, _dtype(i, dtype), _shape(i, shape))
             for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True))
         )
-        return cls(specs, load_format)
+        return cls(specs, load_format, packed_bytes if load_format == PACKED else None)
 
     def check_names(self) -> None:
         """Raises ``UpdateGroupError`` for a name that is not a string."""
@@ -87,10 +115,13 @@ class BroadcastRequest:
         return [(s.name, s.shape, s.dtype) for s in self.specs]
 
     def buckets(self, bucket_bytes: int) -> Iterator[list[TensorSpec]]:
-        """The specs in runs received together: all of them for a flattened bucket, else runs
-        of at most ``bucket_bytes`` (or one larger tensor)."""
+        """The specs in runs received together: all of them for a flattened bucket, vLLM's
+        chunks when packed, else runs of at most ``bucket_bytes`` (or one larger tensor)."""
         if self.load_format == FLATTENED_BUCKET:
             yield list(self.specs)
+            return
+        if self.packed_bytes is not None:
+            yield from packed_chunks(self.specs, _nbytes, self.packed_bytes)
             return
         bucket: list[TensorSpec] = []
         size = 0
@@ -151,7 +182,7 @@ class Broadcasts:
         self.group = None
 
     def _receive(self) -> Iterator[tuple[str, Tensor]]:
-        is_flat = self.request.load_format == FLATTENED_BUCKET
+        is_flat = self.request.load_format in (FLATTENED_BUCKET, PACKED)
         for bucket in self.request.buckets(self.bucket_bytes):
             try:
                 received = self._allocate(bucket, is_flat)
@@ -202,6 +233,10 @@ def _shape(index: int, shape: Sequence[int]) -> torch.Size:
             f"shapes[{index}] = {shape!r} is no shape (expected a list of non-negative ints)"
         )
     return size
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return spec.nbytes
 
 
 def _is_str(spec: TensorSpec) -> bool:

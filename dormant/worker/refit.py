@@ -127,6 +127,7 @@ class Refitter:
         shapes: Sequence[Sequence[int]],
         group_name: str = "weight_update_group",
         load_format: str | None = None,
+        packed_bytes: int | None = None,
     ) -> tuple[str, ...]:
         """Receives a broadcast from the trainer (rank 0 of the group) in bounded buckets; the
         draft's names as ``update_weights`` takes them. Every refusal leaves the group in step
@@ -134,7 +135,7 @@ class Refitter:
         destroyed (lists that do not say what arrives), as ``update_group.py``'s table says."""
         names_written = self.groups.update_weights_from_distributed(
             self._model(), names, dtypes, shapes, group_name, load_format=load_format,
-            draft=self._draft(),
+            packed_bytes=packed_bytes, draft=self._draft(),
             check_writable=partial(self._check_writable, "update_weights_from_distributed"),
         )  # fmt: skip
         return _sorted(names_written)

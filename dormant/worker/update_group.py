@@ -132,6 +132,7 @@ class WeightUpdateGroups:
         group_name: str,
         *,
         load_format: str | None = None,
+        packed_bytes: int | None = None,
         draft: Draft | None = None,
         check_writable: Callable[[], None] = lambda: None,
     ) -> set[str]:
@@ -144,7 +145,7 @@ class WeightUpdateGroups:
         ``WeightTransferError`` (a broadcast or a write failed)."""
         self.group(group_name)  # none: UpdateGroupError, nothing received (no local: see below)
         try:
-            request = BroadcastRequest.parse(names, dtypes, shapes, load_format)
+            request = BroadcastRequest.parse(names, dtypes, shapes, load_format, packed_bytes)
         except UpdateGroupError as error:
             self._destroy_broken(group_name, f"a request it could not read: {error}")
             raise UpdateGroupDestroyedError(

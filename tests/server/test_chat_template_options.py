@@ -23,9 +23,12 @@ def test_template_options_reach_the_template(server) -> None:
     assert with_turn[: len(without)] == without and len(with_turn) > len(without)
     assert _prompt(server, chat_template_kwargs={"add_generation_prompt": False}) == without
     continued = [*MESSAGES, {"role": "assistant", "content": "the engine"}]
-    assert _prompt(
-        server, messages=continued, add_generation_prompt=False, continue_final_message=True
-    )[: len(without)] == without
+    assert (
+        _prompt(
+            server, messages=continued, add_generation_prompt=False, continue_final_message=True
+        )[: len(without)]
+        == without
+    )
 
 
 @pytest.mark.parametrize(

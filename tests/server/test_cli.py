@@ -133,3 +133,22 @@ def test_async_scheduling_reaches_the_engine(monkeypatch, model_dir, flags, expe
     args = build_parser().parse_args(["serve", str(model_dir), *flags])
     _load_engine(args, sock=None)
     assert seen.get("async_scheduling") == expected
+
+
+def test_vllms_rl_flags_reach_the_engine(monkeypatch, model_dir) -> None:
+    """The flags ``trl vllm-serve`` passes to ``vllm serve`` (--logprobs-mode, --max-logprobs,
+    --weight-transfer-config) and the generation-config pair, as engine options."""
+    import dormant.engine.async_llm
+    from dormant.cli import build_parser
+    from dormant.cli.serve import _load_engine
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(dormant.engine.async_llm, "AsyncLLM", lambda *a, **k: seen.update(k))
+    flags = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+             "--weight-transfer-config", '{"backend": "nccl"}', "--generation-config", "vllm",
+             "--override-generation-config", '{"temperature": 0.5}']  # fmt: skip
+    _load_engine(build_parser().parse_args(["serve", str(model_dir), *flags]), sock=None)
+    assert seen["logprobs_mode"] == "processed_logprobs" and seen["max_logprobs"] == -1
+    assert seen["weight_transfer_config"] == '{"backend": "nccl"}'
+    assert seen["generation_config"] == "vllm"
+    assert seen["override_generation_config"] == '{"temperature": 0.5}'

@@ -130,9 +130,12 @@ def test_update_weight_version_relabels_the_weights(server) -> None:
 
 
 def test_get_model_info(server) -> None:
+    """SGLang's ``/model_info`` (its router reads ``architectures``) and the older name."""
     info = server.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"] == "tiny"
     assert info["weight_version"] == server.get("/get_weight_version").json()["weight_version"]
+    assert server.get("/model_info").json() == info
+    assert info["architectures"] == ["Qwen3ForCausalLM"]
 
 
 def test_custom_params_are_refused_with_what_to_do(server) -> None:

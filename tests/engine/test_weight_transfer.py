@@ -1,0 +1,97 @@
+"""vLLM's weight-transfer API (vllm/distributed/weight_transfer, ``LLM.init_weight_transfer_engine``
+/ ``start_weight_update`` / ``update_weights(request)`` / ``finish_weight_update``) on the CPU,
+over gloo: the trainer, in a process of its own, runs vLLM's trainer helpers as
+``install_as_vllm()`` provides them (the >= 0.28 ``nccl_common.trainer_init`` with
+``packed_nccl_broadcast_producer``, and the older ``NCCLWeightTransferEngine`` statics), and
+the engine's tokens then equal a fresh engine's on the new weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dormant import LLM
+from dormant.core.errors import UnsupportedOptionError
+from dormant.engine.weight_transfer import WeightTransferSessionError
+from dormant.vllm_weight_transfer import packed_chunks
+from tests.engine.conftest import GREEDY, PROMPTS, tokens
+from tests.engine.vllm_trainer import SMALL_BUFFER, init_info, start_trainer, update_info
+
+CONFIG = {"weight_transfer_config": {"backend": "nccl"}}
+
+
+def test_a_trainer_refits_through_vllms_weight_transfer_api(
+    make_llm, checkpoint: Path, other_checkpoint: Path, tmp_path: Path
+) -> None:
+    expected_2 = tokens(make_llm(str(other_checkpoint)).generate(PROMPTS, GREEDY))
+    llm: LLM = make_llm(str(checkpoint), **CONFIG)
+    before = tokens(llm.generate(PROMPTS, GREEDY))
+    port, parent, trainer = start_trainer([(2, "packed"), (3, "one by one")])
+    try:
+        info = init_info(port, packed=True, packed_buffer_size_bytes=SMALL_BUFFER)
+        llm.init_weight_transfer_engine({"init_info": info})
+        assert parent.recv() == "joined"
+
+        llm.start_weight_update()
+        with pytest.raises(WeightTransferSessionError, match="finish_weight_update first"):
+            llm.start_weight_update()
+        metadata = parent.recv()
+        parent.send("go")
+        llm.update_weights({"update_info": update_info(metadata)})  # packed: init said so
+        llm.finish_weight_update(weight_version="step-2")
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == expected_2 != before
+        assert llm.get_weight_version() == "step-2"
+
+        llm.start_weight_update(is_checkpoint_format=True)
+        metadata = parent.recv()
+        parent.send("go")
+        # vLLM < 0.28 says "packed" per update
+        llm.update_weights({"update_info": update_info(metadata, packed=False)})
+        llm.finish_weight_update()
+        with pytest.raises(WeightTransferSessionError, match="before start_weight_update"):
+            llm.update_weights({"update_info": update_info(metadata)})  # refused: destroyed
+        with pytest.raises(WeightTransferSessionError, match="init_weight_transfer_engine"):
+            llm.start_weight_update()
+        assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(
+            make_llm(str(_seed3(tmp_path))).generate(PROMPTS, GREEDY)
+        )
+        parent.send("done")
+    finally:
+        trainer.join(timeout=30)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
+
+
+def _seed3(tmp_path: Path) -> Path:
+    from tests.engine.conftest import write_checkpoint
+
+    return write_checkpoint(tmp_path / "seed3", seed=3)
+
+
+def test_calls_out_of_order_or_unconfigured_are_refused(make_llm, checkpoint: Path) -> None:
+    plain = make_llm(str(checkpoint))
+    with pytest.raises(WeightTransferSessionError, match="weight_transfer_config"):
+        plain.init_weight_transfer_engine({"init_info": {}})
+    llm = make_llm(str(checkpoint), **CONFIG)
+    with pytest.raises(WeightTransferSessionError, match="init_weight_transfer_engine"):
+        llm.start_weight_update()
+    with pytest.raises(WeightTransferSessionError, match="missing"):
+        llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1"}})
+    with pytest.raises(WeightTransferSessionError, match="backend"):
+        info = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                "world_size": 2, "backend": "nccl"}  # fmt: skip
+        llm.init_weight_transfer_engine({"init_info": info})  # this engine's ranks use gloo
+    with pytest.raises(UnsupportedOptionError, match="weight_transfer_config"):
+        make_llm(str(checkpoint), weight_transfer_config={"backend": "ipc"})
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain.generate(PROMPTS, GREEDY))
+
+
+def test_packed_chunks_end_with_the_tensor_that_passes_the_buffer() -> None:
+    """vllm/distributed/weight_transfer/packed_tensor.py ``pack_tensors``: a chunk closes once
+    its bytes exceed the buffer, so a tensor larger than the buffer is a chunk of its own."""
+    sizes = [3, 3, 3, 10, 1, 1]
+    assert list(packed_chunks(sizes, int, 5)) == [[3, 3], [3, 10], [1, 1]]
+    assert list(packed_chunks(sizes, int, 100)) == [sizes]
+    assert list(packed_chunks([], int, 5)) == []
