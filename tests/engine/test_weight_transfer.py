@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dormant import LLM
+from dormant.core.config import EngineConfig
 from dormant.core.errors import UnsupportedOptionError
 from dormant.engine.weight_transfer import WeightTransferSessionError
 from dormant.vllm_weight_transfer import packed_chunks
@@ -22,8 +23,10 @@ CONFIG = {"weight_transfer_config": {"backend": "nccl"}}
 
 
 def test_a_trainer_refits_through_vllms_weight_transfer_api(
-    make_llm, checkpoint: Path, other_checkpoint: Path, tmp_path: Path
+    make_llm, device: str, checkpoint: Path, other_checkpoint: Path, tmp_path: Path
 ) -> None:
+    if device == "cuda":
+        pytest.skip("NCCL needs the trainer on a GPU of its own: a multi-GPU test (issue 20)")
     expected_2 = tokens(make_llm(str(other_checkpoint)).generate(PROMPTS, GREEDY))
     llm: LLM = make_llm(str(checkpoint), **CONFIG)
     before = tokens(llm.generate(PROMPTS, GREEDY))
@@ -70,22 +73,26 @@ def _seed3(tmp_path: Path) -> Path:
     return write_checkpoint(tmp_path / "seed3", seed=3)
 
 
-def test_calls_out_of_order_or_unconfigured_are_refused(make_llm, checkpoint: Path) -> None:
+def test_calls_out_of_order_or_unconfigured_are_refused(
+    make_llm, device: str, checkpoint: Path
+) -> None:
     plain = make_llm(str(checkpoint))
     with pytest.raises(WeightTransferSessionError, match="weight_transfer_config"):
         plain.init_weight_transfer_engine({"init_info": {}})
+    expected = tokens(plain.generate(PROMPTS, GREEDY))
     llm = make_llm(str(checkpoint), **CONFIG)
     with pytest.raises(WeightTransferSessionError, match="init_weight_transfer_engine"):
         llm.start_weight_update()
     with pytest.raises(WeightTransferSessionError, match="missing"):
         llm.init_weight_transfer_engine({"init_info": {"master_address": "127.0.0.1"}})
     with pytest.raises(WeightTransferSessionError, match="backend"):
+        wrong = "gloo" if device == "cuda" else "nccl"  # not what this engine's ranks use
         info = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                "world_size": 2, "backend": "nccl"}  # fmt: skip
-        llm.init_weight_transfer_engine({"init_info": info})  # this engine's ranks use gloo
+                "world_size": 2, "backend": wrong}  # fmt: skip
+        llm.init_weight_transfer_engine({"init_info": info})
     with pytest.raises(UnsupportedOptionError, match="weight_transfer_config"):
-        make_llm(str(checkpoint), weight_transfer_config={"backend": "ipc"})
-    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(plain.generate(PROMPTS, GREEDY))
+        EngineConfig.create(str(checkpoint), weight_transfer_config={"backend": "ipc"})
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
 
 
 def test_packed_chunks_end_with_the_tensor_that_passes_the_buffer() -> None:
