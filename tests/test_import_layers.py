@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dormant.layers",),
     ("dormant.models",),
     ("dormant.core",),  # what crosses the driver/worker boundary
-    ("dormant.worker",),
+    ("dormant.worker", "dormant.vllm_weight_transfer"),  # the trainer's end of a refit group
     ("dormant.executors",),
     ("dormant.engine", "dormant", "dormant.vllm_compat"),  # the driver; the root re-exports it
     ("dormant.server",),
