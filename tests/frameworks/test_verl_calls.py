@@ -58,12 +58,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from dormant import SamplingParams
 from dormant.core.errors import EngineAsleepError, WeightsNotLoadedError
 from dormant.engine.async_llm import AsyncLLM
 from dormant.memory import TagState
-from dormant.vllm_compat import TokensPrompt
 from tests.engine.conftest import PROMPTS, hf_state_dict, write_checkpoint
+from tests.frameworks import verl_server
 from tests.frameworks.verl_colocate import (
     EXTENSION,
     SOCKET_ENV,
@@ -120,34 +119,9 @@ async def launch(engine: AsyncLLM, model: Path) -> None:
 async def verl_generate(
     engine: AsyncLLM, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str
 ) -> dict[str, Any]:
-    """vas L445-547: the server's ``generate``, token ids in and out."""
-    sampling_params = dict(sampling_params)
-    max_possible_tokens = engine.max_model_len - len(prompt_ids)
-    max_tokens = max(0, min(RESPONSE_LENGTH, max_possible_tokens))
-    sampling_params["logprobs"] = 0 if sampling_params.pop("logprobs", False) else None
-    sampling_params.setdefault("repetition_penalty", 1.0)
-    params = SamplingParams(max_tokens=max_tokens, **sampling_params)
-    prompt = TokensPrompt(prompt_token_ids=prompt_ids, multi_modal_data={})
-    generator = engine.generate(
-        prompt=prompt, sampling_params=params, request_id=request_id, lora_request=None,
-        priority=0,
-    )  # fmt: skip
-    final_res = None
-    async for output in generator:
-        final_res = output
-    assert final_res is not None
-    token_ids = final_res.outputs[0].token_ids
-    log_probs = None
-    if params.logprobs is not None:
-        log_probs = [
-            lps[token_ids[i]].logprob for i, lps in enumerate(final_res.outputs[0].logprobs)
-        ]
-    finish_reason = final_res.outputs[0].finish_reason
-    stop_reason = "aborted" if finish_reason == "abort" else "completed"
-    assert finish_reason in ("stop", "length", "abort")
-    num_preempted = getattr(final_res.outputs[0], "num_preempted", None)
-    return dict(token_ids=list(token_ids), log_probs=log_probs, stop_reason=stop_reason,
-                num_preempted=num_preempted)  # fmt: skip
+    """vas L445-547 with the rollout's response length (``verl_server.verl_generate``)."""
+    sampling = {"max_tokens": RESPONSE_LENGTH, **sampling_params}
+    return await verl_server.verl_generate(engine, prompt_ids, sampling, request_id)
 
 
 async def rollout(engine: AsyncLLM, sampling: dict[str, Any], tag: str) -> list[dict[str, Any]]:

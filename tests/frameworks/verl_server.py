@@ -16,10 +16,11 @@ from dormant.vllm_compat import TokensPrompt
 async def verl_generate(
     engine: AsyncLLM, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str
 ) -> dict[str, Any]:
-    """vas L445-547: the server's ``generate`` (no LoRA, no multimodal data)."""
+    """vas L445-547: the server's ``generate``, token ids in and out (``max_tokens`` in
+    ``sampling_params`` is verl's response length; no LoRA, no multimodal data)."""
     sampling_params = dict(sampling_params)
-    max_possible_tokens = engine.max_model_len - len(prompt_ids)
-    max_tokens = max(0, min(sampling_params.pop("max_tokens"), max_possible_tokens))
+    room = engine.max_model_len - len(prompt_ids)
+    max_tokens = max(0, min(sampling_params.pop("max_tokens"), room))
     sampling_params["logprobs"] = 0 if sampling_params.pop("logprobs", False) else None
     sampling_params.setdefault("repetition_penalty", 1.0)
     params = SamplingParams(max_tokens=max_tokens, **sampling_params)
@@ -28,16 +29,22 @@ async def verl_generate(
         prompt=prompt, sampling_params=params, request_id=request_id, lora_request=None,
         priority=0,
     )  # fmt: skip
-    final_res = None
+    final = None
     async for output in generator:
-        final_res = output
-    assert final_res is not None
-    token_ids = final_res.outputs[0].token_ids
-    logprobs = final_res.outputs[0].logprobs
-    log_probs = [logprobs[i][token_ids[i]].logprob for i in range(len(token_ids))]
-    finish_reason = final_res.outputs[0].finish_reason
-    stop_reason = "aborted" if finish_reason == "abort" else "completed"
-    return dict(token_ids=list(token_ids), log_probs=log_probs, stop_reason=stop_reason)
+        final = output
+    assert final is not None
+    completion = final.outputs[0]
+    token_ids = list(completion.token_ids)
+    log_probs = None
+    if params.logprobs is not None:
+        log_probs = [lps[token_ids[i]].logprob for i, lps in enumerate(completion.logprobs)]
+    assert completion.finish_reason in ("stop", "length", "abort")
+    return dict(
+        token_ids=token_ids,
+        log_probs=log_probs,
+        stop_reason="aborted" if completion.finish_reason == "abort" else "completed",
+        num_preempted=getattr(completion, "num_preempted", None),
+    )
 
 
 class VerlServer:
