@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dormant.core.errors import UnsupportedOptionError
+from dormant.core.vllm_options import json_option
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # The Hugging Face names vLLM takes from the file; max_new_tokens becomes max_tokens.
@@ -32,13 +33,7 @@ def parse_override(value: Any) -> dict[str, Any]:
     key dormant would ignore."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise UnsupportedOptionError(
-                f"override_generation_config={value!r} is not JSON: {error}"
-            ) from error
+    value = json_option("override_generation_config", value)
     if not isinstance(value, Mapping):
         raise UnsupportedOptionError(
             f"override_generation_config={value!r}: expected a dict (or its JSON) of "

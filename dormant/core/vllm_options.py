@@ -90,16 +90,22 @@ def resolve_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
+def json_option(name: str, value: Any) -> Any:
+    """A vLLM option given as its JSON text (its command line's form) as what that text
+    spells; any other value as it is. Raises ``UnsupportedOptionError`` for text that is not
+    JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UnsupportedOptionError(f"{name}={value!r} is not JSON: {error}") from error
+
+
 def _apply_compilation_config(options: dict[str, Any], config: Any) -> None:
     if config is None:
         return
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as error:
-            raise UnsupportedOptionError(
-                f"compilation_config={config!r} is not JSON: {error}"
-            ) from error
+    config = json_option("compilation_config", config)
     if not isinstance(config, dict):
         raise UnsupportedOptionError(
             f"compilation_config={config!r} is not supported: pass a dict (or its JSON) with "
@@ -136,11 +142,7 @@ def parse_weight_transfer_config(value: Any) -> dict[str, Any] | None:
     """vLLM's ``weight_transfer_config``: None, a dict or its JSON, ``{"backend": "nccl"}``."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise UnsupportedOptionError(f"weight_transfer_config={value!r}: {error}") from error
+    value = json_option("weight_transfer_config", value)
     fields = value if isinstance(value, Mapping) else getattr(value, "__dict__", None)
     config = dict(fields) if fields is not None else {"backend": value}
     if config.get("backend", "nccl") not in WEIGHT_TRANSFER_BACKENDS or set(config) - {"backend"}:
