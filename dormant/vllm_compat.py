@@ -19,6 +19,13 @@ What it registers, all backed by dormant's own classes:
     vllm.v1.engine                          FinishReason (verl's abort path)
     vllm.v1.engine.async_llm                AsyncLLM
     vllm.v1.engine.exceptions               EngineDeadError, EngineGenerateError
+    vllm.v1.metrics.reader                  Metric, Counter, Gauge, Vector, Histogram (what
+                                            ``get_metrics()`` returns), get_metrics_snapshot
+                                            (refused: no process-wide registry)
+    vllm.v1.metrics.loggers                 PrometheusStatLogger (refused when built or passed)
+    vllm.engine.arg_utils                   EngineArgs, AsyncEngineArgs (NeMo-RL's async worker)
+    vllm.config                             CompilationConfig (a dict of its options, checked
+                                            when the engine is built)
     vllm.utils                              random_uuid (OpenRLHF's request ids)
     vllm.utils.network_utils                get_open_port (a free port), get_ip (loopback)
     vllm.distributed.weight_transfer.*      the trainer's side of vLLM's NCCL weight transfer:
@@ -65,6 +72,7 @@ def install_as_vllm() -> types.ModuleType:
         )
     from dormant.core.errors import EngineDeadError, EngineGenerateError
     from dormant.core.sampling_params import RequestOutputKind, SamplingParams
+    from dormant.engine import vllm_metrics
     from dormant.engine.async_llm import AsyncLLM
     from dormant.engine.llm import LLM
     from dormant.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -89,6 +97,13 @@ def install_as_vllm() -> types.ModuleType:
     _module("vllm.v1.engine.async_llm", AsyncLLM=AsyncLLM)
     _module("vllm.v1.engine.exceptions", EngineDeadError=EngineDeadError,
             EngineGenerateError=EngineGenerateError)  # fmt: skip
+    _module("vllm.v1.metrics")
+    reader = ("Metric", "Counter", "Gauge", "Vector", "Histogram", "get_metrics_snapshot")
+    _module("vllm.v1.metrics.reader", **{name: getattr(vllm_metrics, name) for name in reader})
+    _module("vllm.v1.metrics.loggers", PrometheusStatLogger=PrometheusStatLogger)
+    _module("vllm.engine")
+    _module("vllm.engine.arg_utils", EngineArgs=EngineArgs, AsyncEngineArgs=AsyncEngineArgs)
+    _module("vllm.config", CompilationConfig=CompilationConfig)
     _module("vllm.utils", random_uuid=random_uuid)
     _module("vllm.utils.network_utils", get_open_port=get_open_port, get_ip=get_ip)
     _module("vllm.distributed")
@@ -112,6 +127,30 @@ class EngineArgs:
 class AsyncEngineArgs(EngineArgs):
     """vLLM's ``AsyncEngineArgs`` (OpenRLHF: ``AsyncLLMEngine.from_engine_args(
     AsyncEngineArgs(**kwargs))``)."""
+
+
+class CompilationConfig(dict[str, Any]):
+    """vLLM's ``CompilationConfig(**options)`` (NeMo-RL's async worker builds one from
+    ``vllm_kwargs.compilation_config``): a dict of the options, which the engine checks when it
+    is built (``cudagraph_mode`` and ``cudagraph_capture_sizes``; any other raises there)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(options)
+
+
+class PrometheusStatLogger:
+    """vLLM's stat logger class, which callers pass in ``stat_loggers`` (NeMo-RL's async worker
+    with ``enable_vllm_metrics_logger``): dormant takes none, so building one raises, and
+    ``from_engine_args`` refuses it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from dormant.core.errors import UnsupportedOptionError
+
+        raise UnsupportedOptionError(
+            "PrometheusStatLogger: dormant takes no vLLM stat loggers; read the engine's "
+            "get_metrics() or the server's /metrics (NeMo-RL: "
+            "vllm_cfg.enable_vllm_metrics_logger=false)"
+        )
 
 
 def random_uuid() -> str:

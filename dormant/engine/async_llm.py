@@ -80,11 +80,12 @@ class AsyncLLM(EngineClientState, AsyncWeightTransferCalls):
         """vLLM's constructor: ``engine_args`` is a mapping or an object whose attributes are
         options (vLLM's ``AsyncEngineArgs``), with ``model``; ``options`` override it. The loop
         always starts, and ``usage_context`` is vLLM's telemetry; ``stat_loggers`` must be
-        empty (NeMo-RL passes ``[]``): dormant's metrics are its server's ``/metrics``."""
+        empty (NeMo-RL passes ``[]``): dormant's metrics are ``get_metrics()`` and ``/metrics``."""
         if stat_loggers:
             raise UnsupportedOptionError(
-                f"stat_loggers={list(stat_loggers)!r}: dormant takes no vLLM stat loggers; "
-                "scrape the server's /metrics instead and pass stat_loggers=None"
+                f"stat_loggers={list(stat_loggers)!r}: dormant takes no vLLM stat loggers; read "
+                "get_metrics() or the server's /metrics, and pass stat_loggers=None (NeMo-RL: "
+                "vllm_cfg.enable_vllm_metrics_logger=false)"
             )
         fields = {**engine_args_fields(engine_args), **options}
         if "model" not in fields:

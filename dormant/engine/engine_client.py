@@ -1,9 +1,9 @@
 """What ``AsyncLLM`` tells without going through its loop, for vLLM's ``EngineClient`` callers,
 the server and metrics: its state (weight version, tokenizer, sizes, request counts, vLLM's
-``output_processor`` and ``engine_core`` as frameworks reach into them), its health (whether
-its loop stopped, shut down or failed by itself, and the error every request and call got
-then), and the vLLM calls it answers without an engine feature behind them (multimodal cache,
-LoRA adapters, profiler)."""
+metric records, ``output_processor`` and ``engine_core`` as frameworks reach into them), its
+health (whether its loop stopped, shut down or failed by itself, and the error every request
+and call got then), and the vLLM calls it answers without an engine feature behind them
+(multimodal and encoder caches, LoRA adapters, profiler)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dormant.engine.llm import LLM
 from dormant.engine.llm_engine import LLMEngine
 from dormant.engine.request_tracker import RequestTracker
 from dormant.engine.vllm_internals import EngineCoreView, OutputProcessorView
+from dormant.engine.vllm_metrics import Metric, engine_metrics
 
 
 class EngineClientState:
@@ -69,7 +70,13 @@ class EngineClientState:
         """vLLM's ``AsyncLLM.output_processor``: its request counts (OpenRLHF balances prompts
         over its engines by ``get_num_unfinished_requests()``), ``request_states`` and
         ``abort_requests`` (verl's abort path; ``vllm_internals.py``)."""
-        return OutputProcessorView(self._requests, lambda: self.num_requests)
+        return OutputProcessorView(self._requests, self._engine_loop)
+
+    def get_metrics(self) -> list[Metric]:
+        """``LLM.get_metrics`` (vLLM's ``AsyncLLM`` has none: NeMo-RL then reads vLLM's
+        process-wide registry, which dormant has not); built between two steps, so this waits
+        at most for the step in progress."""
+        return self._engine_loop.call_blocking(lambda: engine_metrics(self.engine))
 
     @property
     def engine_core(self) -> EngineCoreView:
@@ -106,6 +113,10 @@ class EngineClientState:
     async def reset_mm_cache(self) -> None:
         """vLLM's (verl calls it once the engine is up). dormant serves text-only models, so
         there is no multimodal cache to clear."""
+
+    async def reset_encoder_cache(self) -> None:
+        """vLLM's (NeMo-RL calls it after a refit with ``reset_encoder_cache_after_weight_update``):
+        the multimodal encoder outputs it drops do not exist in a text-only engine."""
 
     async def list_loras(self) -> set[int]:
         """vLLM's, on an engine built without LoRA, raises: dormant has no LoRA adapters."""

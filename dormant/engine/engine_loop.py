@@ -88,6 +88,15 @@ class EngineLoop:
 
         return await asyncio.wrap_future(self.submit(fn, future))
 
+    def call_blocking(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` on the loop between two steps and waits for it, blocking this thread
+        (at most for the step in progress); on the loop thread itself, runs it at once. For
+        callers that cannot await (vLLM's synchronous internals); raises ``fn``'s error, or
+        ``EngineDeadError`` once the loop stopped."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self.submit(fn).result()
+
     def submit(self, fn: Callable[[], Any], future: Future[Any] | None = None) -> Future[Any]:
         """Queues ``fn`` without waiting (safe from any thread, and in a ``finally``)."""
         future = future or Future()

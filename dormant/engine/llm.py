@@ -25,6 +25,7 @@ from dormant.engine.llm_sglang import SGLangCalls
 from dormant.engine.outputs import RequestOutput
 from dormant.engine.request_stream import check_vllm_request_options
 from dormant.engine.tokenizer import TokenizerError
+from dormant.engine.vllm_metrics import Metric, engine_metrics
 from dormant.engine.weight_transfer import WeightTransfer, is_update_request
 from dormant.memory import AuditReport
 from dormant.models import ModelConfig
@@ -237,6 +238,10 @@ class LLM(SGLangCalls):
 
     def audit(self) -> list[AuditReport]:
         return self.llm_engine.collective_rpc("audit")
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's ``vllm:*`` metric records (``engine/vllm_metrics.py``)."""
+        return engine_metrics(self.llm_engine)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

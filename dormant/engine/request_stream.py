@@ -40,9 +40,10 @@ async def stream_outputs(
     ``user_id``, until one is finished. Errors are vLLM's (``AsyncLLM.generate``): a refused
     add raises its own error, and so does ``EngineDeadError``; any other error handed over
     while the request ran (a failed step) raises ``EngineGenerateError`` caused by it, and the
-    request is aborted. Closed or cancelled before that, it queues the request's abort
-    (without awaiting: this may run in a generator's finalizer). A request refused when added
-    needs no abort."""
+    request is aborted. Closed or cancelled before that, it aborts the request without
+    awaiting (this may run in a generator's finalizer): at once if its add has not run, else by
+    a queued abort. A request refused when added needs no abort; one whose id is pending
+    already raises ``DuplicateRequestIdError`` before anything is queued."""
     newest = Newest()
     loop = asyncio.get_running_loop()
 
@@ -56,7 +57,7 @@ async def stream_outputs(
     tracked = TrackedRequest(user_id, listener, kind is not RequestOutputKind.FINAL_ONLY)
     finished = is_added = False
     sent: SentCounts = []
-    requests.expect(user_id)
+    requests.expect(tracked)  # raises for an id already pending, recording nothing
     try:
         await engine_loop.call(lambda: requests.add(request, tracked), holdable=True)
         is_added = True
@@ -75,8 +76,10 @@ async def stream_outputs(
         raise
     finally:
         if finished and not is_added:
-            requests.forget(user_id)  # refused, or the loop never ran the add
-        if not finished:  # cancelled or closed: no awaiting here, just queue the abort
+            requests.forget(tracked)  # refused, or the loop never ran the add
+        # Cancelled or closed: a pending request is aborted here and now (its id is free at
+        # once); a running one's abort is queued (no awaiting in a ``finally``).
+        if not finished and not requests.cancel_pending(tracked):
             engine_loop.submit(lambda: requests.abort_tracked(tracked))
 
 

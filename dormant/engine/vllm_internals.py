@@ -16,20 +16,25 @@ Each piece does what vLLM's does (``vllm/v1/engine/output_processor.py``, ``core
 with two differences that follow from dormant's loop thread. ``request_states`` is a read-only
 snapshot taken under the tracker's lock, since the loop finishes requests while a caller on
 another thread reads it. And ``make_request_output`` builds from the output the loop last built
-for the request (set before its stream could see it), never from the engine, which only the
-loop may touch: a FINAL_ONLY request, built no output until it finishes, is aborted with its
-prompt and no tokens, where vLLM's would carry the tokens generated so far.
+for the request (set before its stream could see it), not from the engine, which only the loop
+may touch. A FINAL_ONLY request has no such output until it finishes (the loop builds none per
+step, as vLLM's ``RequestState.make_request_output`` returns None for it), yet vLLM's aborted
+one carries the tokens, text and logprobs so far, which its output processor keeps per step
+(``_new_completion_output``): dormant's engine keeps them per step too, and the loop builds the
+outputs of a snapshot's FINAL_ONLY requests in one round trip, the first time one is asked for
+with a finish reason. That call blocks its thread for at most the step in progress; the
+decode loop pays nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from dormant.core.errors import UnsupportedOptionError
+from dormant.core.errors import EngineDeadError, UnsupportedOptionError
 from dormant.engine.engine_loop import EngineLoop
 from dormant.engine.outputs import RequestOutput
 from dormant.engine.request_tracker import Listener, RequestTracker, TrackedRequest
@@ -70,12 +75,37 @@ class OutputQueue:
         self._listener(output)
 
 
+class FinalOnlyOutputs:
+    """The engine's outputs so far of one snapshot's FINAL_ONLY requests, built by the loop in
+    one blocking round trip the first time one is needed (verl builds an abort output for every
+    state of its snapshot, one after another)."""
+
+    def __init__(self, engine_loop: EngineLoop, tracked: Iterable[TrackedRequest]) -> None:
+        self._engine_loop = engine_loop
+        self._final_only = [t for t in tracked if not t.wants_progress]
+        self._outputs: dict[str, RequestOutput | None] | None = None
+
+    def output(self, tracked: TrackedRequest) -> RequestOutput | None:
+        """``tracked``'s output as the engine held it at the round trip; None if the request
+        finished before it, or the loop had stopped."""
+        if self._outputs is None:
+            engine, final_only = self._engine_loop.engine, self._final_only
+            try:
+                self._outputs = self._engine_loop.call_blocking(
+                    lambda: {t.user_id: engine.request_output(t.engine_id) for t in final_only}
+                )
+            except EngineDeadError:  # the requests were failed: nothing left to build from
+                self._outputs = {}
+        return self._outputs.get(tracked.user_id)
+
+
 class RequestState:
     """vLLM's ``RequestState`` of one running request: ``request_id`` (the id given to
     ``generate``), ``queue`` and ``make_request_output``."""
 
-    def __init__(self, tracked: TrackedRequest) -> None:
+    def __init__(self, tracked: TrackedRequest, final_only: FinalOnlyOutputs) -> None:
         self._tracked = tracked
+        self._final_only = final_only
         self.request_id = tracked.user_id
         self.queue = OutputQueue(tracked.listener)
 
@@ -90,7 +120,9 @@ class RequestState:
         """The request's output as the loop last built it, its unfinished completions finished
         with ``finish_reason`` (a ``FinishReason``, or its string) and ``stop_reason``. With
         ``finish_reason=None``: that output unfinished, or None for a FINAL_ONLY request (as
-        vLLM's). Changes nothing; ``queue.put`` delivers it.
+        vLLM's). A FINAL_ONLY request's finished output holds what the engine generated so far
+        (``FinalOnlyOutputs``: this may wait for the step in progress). Changes nothing;
+        ``queue.put`` delivers it.
 
         ``new_token_ids`` must be empty (dormant's outputs hold the engine's tokens), and
         ``pooling_output`` and ``kv_transfer_params`` None (no pooling models, no KV transfer):
@@ -98,10 +130,13 @@ class RequestState:
         reason = _finish_reason(finish_reason, new_token_ids, pooling_output, kv_transfer_params)
         newest = self._tracked.newest
         assert newest is not None  # set before the request was tracked
+        is_final_only = not self._tracked.wants_progress
         if reason is None:
-            if not self._tracked.wants_progress:  # FINAL_ONLY
+            if is_final_only:
                 return None
             return dataclasses.replace(newest, request_id=self.request_id)
+        if is_final_only:
+            newest = self._final_only.output(self._tracked) or newest
         completions = [
             completion
             if completion.finish_reason is not None
@@ -143,12 +178,11 @@ def _finish_reason(
 
 class OutputProcessorView:
     """vLLM's ``AsyncLLM.output_processor``: ``request_states``, the unfinished-request counts
-    (``count()``: the requests being generated or held; OpenRLHF balances prompts by them) and
-    ``abort_requests``."""
+    (OpenRLHF balances prompts over its engines by them) and ``abort_requests``."""
 
-    def __init__(self, requests: RequestTracker, count: Callable[[], int]) -> None:
+    def __init__(self, requests: RequestTracker, engine_loop: EngineLoop) -> None:
         self._requests = requests
-        self._count = count
+        self._engine_loop = engine_loop
 
     @property
     def request_states(self) -> Mapping[str, RequestState]:
@@ -156,13 +190,20 @@ class OutputProcessorView:
         their last output: a read-only snapshot, safe to take from any thread while the loop
         finishes requests. A request held behind a closed gate (a ``wait`` pause, sleep or
         refit draining) is listed once its add runs; ``AsyncLLM.abort`` reaches it before."""
-        return MappingProxyType({t.user_id: RequestState(t) for t in self._requests.states()})
+        tracked = self._requests.states()
+        final_only = FinalOnlyOutputs(self._engine_loop, tracked)
+        return MappingProxyType({t.user_id: RequestState(t, final_only) for t in tracked})
 
     def get_num_unfinished_requests(self) -> int:
-        return self._count()
+        """vLLM's ``len(request_states)``: the requests whose streams are still owed their
+        last output, from ``generate`` until they finished or ``abort_requests`` removed them
+        (the engine may still run them). One whose add waits, even behind a closed gate,
+        counts, as vLLM's does from ``generate`` on, though ``request_states`` lists it only
+        once its add runs (``RequestTracker.num_unfinished``)."""
+        return self._requests.num_unfinished
 
     def has_unfinished_requests(self) -> bool:
-        return self._count() > 0
+        return self.get_num_unfinished_requests() > 0
 
     def abort_requests(self, request_ids: Iterable[str], internal: bool = False) -> list[str]:
         """vLLM's: each request still in ``request_states`` leaves it, and its stream is handed
@@ -172,17 +213,15 @@ class OutputProcessorView:
         request ids are the callers' either way."""
         if isinstance(request_ids, str):
             raise TypeError(f"abort_requests takes a list of request ids, got {request_ids!r}")
-        removed = []
-        for request_id in request_ids:
-            tracked = self._requests.answer(request_id)
-            if tracked is None:
-                continue
-            removed.append(request_id)
-            state = RequestState(tracked)
+        answered = [self._requests.answer(request_id) for request_id in request_ids]
+        removed = [tracked for tracked in answered if tracked is not None]
+        final_only = FinalOnlyOutputs(self._engine_loop, removed)
+        for tracked in removed:
+            state = RequestState(tracked, final_only)
             output = state.make_request_output([], None, FinishReason.ABORT, None)
             assert output is not None  # a finished output is always built
             state.queue.put(output)
-        return removed
+        return [tracked.user_id for tracked in removed]
 
 
 class EngineCoreView:

@@ -84,6 +84,24 @@ def generate(llm: Any, greedy: bool) -> tuple[list[list[int]], list[list[float]]
     return tokens, logprobs
 
 
+def raw_spec_counters(llm: Any) -> dict[str, Any]:
+    """vw L762-786, what ``snapshot_step_metrics`` and ``get_step_metrics`` read around every
+    GRPO step's generation (grpo L2924-2928, L3107-3109): each metric's value by name."""
+    metrics: dict[str, Any] = {}
+    if hasattr(llm, "get_metrics"):
+        vllm_prom_metrics = llm.get_metrics()
+    else:
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+
+        vllm_prom_metrics = get_metrics_snapshot()
+    for metric in vllm_prom_metrics:
+        if hasattr(metric, "values"):
+            metrics[metric.name] = metric.values
+        elif hasattr(metric, "value"):
+            metrics[metric.name] = metric.value
+    return metrics
+
+
 def finish_generation(llm: Any) -> None:
     """vg L1004-1029 → vw L1286-1312."""
     llm.llm_engine.reset_prefix_cache()
@@ -108,7 +126,9 @@ class Trainer:
         self.port = free_port()
         context = mp.get_context("spawn")
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=trainer_main, args=(self.port, 2, seeds, child))
+        self.process = context.Process(
+            target=trainer_main, args=(self.port, 2, seeds, child), daemon=True
+        )  # a failed run exits at once instead of waiting on a trainer that waits on it
         self.process.start()
         self.state_dict_info = self.conn.recv()
 
@@ -163,8 +183,10 @@ def main(workdir: Path) -> dict[str, Any]:
             prepare_for_generation(llm, tags=["kv_cache"])
             step: dict[str, Any] = {"update_results": results, "num_packs": num_packs}
             step["asleep_after"], step["is_sleeping"] = asleep(llm), llm.is_sleeping()
+            step["metrics_before"] = raw_spec_counters(llm)
             step["greedy_tokens"], step["greedy_logprobs"] = generate(llm, greedy=True)
             _, sampled = generate(llm, greedy=False)
+            step["metrics_after"] = raw_spec_counters(llm)
             step["sampled_logprobs"] = sampled
             step["nonzero_logprobs"] = all(any(lp != 0 for lp in row) for row in sampled)
             report["steps"][str(seed)] = step

@@ -30,6 +30,11 @@ NVIDIA-NeMo/RL@7ea279abfbeb698b092856d0dab61e7cf39bc909 (``vw`` below is
                                   collective_rpc("update_weights_from_collective", grpo L2399,
                                   args=()), every rank True                        vw L1204-1214
                                   prepare_for_generation(tags=["kv_cache"])        grpo L2417
+    step metrics, around          llm.get_metrics() if the engine has it, else     vg L546-599,
+    generation                    vllm.v1.metrics.reader.get_metrics_snapshot();   vw L762-786,
+                                  metric.name, .value / .values                    grpo L2924-
+                                                                                   2928, L3107-
+                                                                                   3109
     generate                      SamplingParams(temperature, top_p, top_k,        vw L641-668
                                   max_tokens, logprobs=0, stop_token_ids=[eos],
                                   stop=None, include_stop_str_in_output=True,
@@ -62,17 +67,27 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One run of ``nemo_rl_run.py``: one engine, one trainer process, three refits."""
+def run_script(name: str, workdir: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    script = REPO / "tests/frameworks/nemo_rl_run.py"
+    script = REPO / "tests/frameworks" / name
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path_factory.mktemp("nemo_rl"))],
+        [sys.executable, str(script), str(workdir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of ``nemo_rl_run.py``: one engine, one trainer process, three refits."""
+    return run_script("nemo_rl_run.py", tmp_path_factory.mktemp("nemo_rl"))
+
+
+@pytest.fixture(scope="module")
+def async_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of ``nemo_rl_async_run.py``: the async engine, one trainer process, two refits."""
+    return run_script("nemo_rl_async_run.py", tmp_path_factory.mktemp("nemo_rl_async"))
 
 
 def test_nemo_rl_grpo_cycles_refit_over_a_collective(report: dict) -> None:
@@ -94,6 +109,13 @@ def test_nemo_rl_grpo_cycles_refit_over_a_collective(report: dict) -> None:
         assert all(lp <= 0 for row in step["sampled_logprobs"] for lp in row)
         assert all(len(row) > 0 for row in step["sampled_logprobs"])
         assert step["nonzero_logprobs"]  # real values, not NeMo-RL's zero fill
+        # Regression: dormant's LLM had no get_metrics, so NeMo-RL imported vLLM's reader and
+        # every GRPO step failed. No speculative decoding: no spec_decode counters, as vLLM.
+        for metrics in (step["metrics_before"], step["metrics_after"]):
+            assert metrics["vllm:num_requests_running"] == 0
+            assert metrics["vllm:num_requests_waiting"] == 0
+            assert 0.0 <= metrics["vllm:kv_cache_usage_perc"] <= 1.0
+            assert not any("spec_decode" in name for name in metrics)
     assert report["fresh"]["2"]["greedy_tokens"] != report["fresh"]["3"]["greedy_tokens"]
     assert report["asleep_after_finish"] == report["init_asleep"]
 
@@ -110,3 +132,28 @@ def test_nemo_rl_calls_in_the_wrong_order_get_typed_errors(report: dict) -> None
     assert wrong["asleep_before_refusal"] == report["init_asleep"]
     assert wrong["tokens_after_kv_wake"] == report["fresh"]["2"]["greedy_tokens"]
     assert wrong["is_sleeping"] is False
+
+
+def test_nemo_rl_async_engine_cycles_refit_over_a_collective(async_report: dict) -> None:
+    """``async_engine: true`` (``nemo_rl_async_run.py`` has the call table). Regression: the
+    async worker's engine start imports ``vllm.config``, ``vllm.engine.arg_utils`` and
+    ``vllm.v1.metrics.loggers``, which ``install_as_vllm`` did not provide, and its refit and
+    step metrics call ``reset_encoder_cache`` and ``get_metrics``, which ``AsyncLLM`` lacked.
+    Two steps: the tokens and logprobs equal a fresh engine's on the broadcast weights; the
+    engine sleeps again after each; a stat logger is refused before an engine starts."""
+    report = async_report
+    assert report["vllm_is_dormant"] and report["device_ids"] == ["cpu"]
+    for step, fresh in zip(report["steps"], report["fresh"], strict=True):
+        assert step["update_results"] == [True] and step["is_sleeping"] is False
+        assert step["greedy_tokens"] == fresh["greedy_tokens"]
+        for got, want in zip(step["greedy_logprobs"], fresh["greedy_logprobs"], strict=True):
+            assert got == pytest.approx(want, abs=1e-5)
+        assert step["truncated"] == [True] * len(step["greedy_tokens"])  # max_tokens reached
+        assert all(routed == [None, None] for routed in step["routed_experts"])
+        assert all(lp < 0 for row in step["sampled_logprobs"] for lp in row)
+        for metrics in (step["metrics_before"], step["metrics_after"]):
+            assert metrics["vllm:num_requests_running"] == 0
+            assert not any("spec_decode" in name for name in metrics)
+    assert report["fresh"][0]["greedy_tokens"] != report["fresh"][1]["greedy_tokens"]
+    assert {"weights", "kv_cache"} <= set(report["asleep_after_finish"])
+    assert "enable_vllm_metrics_logger=false" in report["stat_logger_refusal"]
