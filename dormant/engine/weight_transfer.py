@@ -91,7 +91,7 @@ class WeightTransfer:
                 f"init_info backend={backend!r}, but this engine's ranks use {self._backend!r}"
             )
         group = _Group(
-            bool(info.get("packed", False)),
+            _flag(info, "packed", False),
             _size(info, "packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES),
         )
         port, offset, world_size = (
@@ -130,11 +130,12 @@ class WeightTransfer:
                     "update_weights before start_weight_update: open the session first (and "
                     "finish_weight_update after the last update)"
                 )
-            if info.get("is_checkpoint_format", True) is not True:
+            if _flag(info, "is_checkpoint_format", True) is not True:
                 raise WeightTransferSessionError(
                     "is_checkpoint_format must be true: send the checkpoint's names and layout"
                 )
-            packed = bool(info.get("packed", group.packed))
+            _check_lists(info)
+            packed = _flag(info, "packed", group.packed)
             buffer_bytes = _size(info, "packed_buffer_size_bytes", group.buffer_bytes)
         except WeightTransferSessionError as refusal:
             self._destroy()
@@ -204,3 +205,29 @@ def _size(info: Mapping[str, Any], key: str, default: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise WeightTransferSessionError(f"{key}={value!r}: expected an int >= 0")
     return value
+
+
+def _flag(info: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = info.get(key, default)
+    if not isinstance(value, bool):
+        raise WeightTransferSessionError(f"{key}={value!r}: expected true or false")
+    return value
+
+
+def _check_lists(info: Mapping[str, Any]) -> None:
+    """``names`` and ``dtype_names`` lists of strings and ``shapes`` a list of int lists, of one
+    length (what the group must know to receive; values are the worker's to check)."""
+    names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
+    is_strs = all(
+        isinstance(x, list) and all(isinstance(s, str) for s in x) for x in (names, dtypes)
+    )
+    is_shapes = isinstance(shapes, list) and all(
+        isinstance(shape, list | tuple)
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+        for shape in shapes
+    )
+    if not (is_strs and is_shapes and len(names) == len(dtypes) == len(shapes)):
+        raise WeightTransferSessionError(
+            "update_info needs names and dtype_names as lists of strings and shapes as a list "
+            "of int lists, all of one length"
+        )

@@ -50,7 +50,15 @@ class StreamOptions(Strict):
 
 # What the chat template's own call sets: a request may not.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"tokenize", "chat_template", "conversation", "return_dict", "return_tensors", "tools"}
+    {
+        "tokenize",
+        "chat_template",
+        "conversation",
+        "messages",
+        "return_dict",
+        "return_tensors",
+        "tools",
+    }
 )
 # The fields a request that leaves them unset takes from the model's generation config.
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -360,7 +360,7 @@ def test_an_id_is_free_again_once_its_request_was_aborted(engine, slow_steps) ->
         return reused[-1].outputs[0].finish_reason, fresh[-1].outputs[0].finish_reason
 
     assert asyncio.run(run()) == ("length", "length")
-    assert not engine._requests._pending
+    assert not engine._requests._pending and not engine._requests._tracked
 
 
 def test_a_held_request_aborted_before_its_add_is_never_added(engine, slow_steps) -> None:
@@ -385,4 +385,4 @@ def test_a_held_request_aborted_before_its_add_is_never_added(engine, slow_steps
         return num_left, again[-1].outputs[0].finish_reason
 
     assert asyncio.run(run()) == (0, "length")
-    assert not engine._requests._pending
+    assert not engine._requests._pending and not engine._requests._tracked

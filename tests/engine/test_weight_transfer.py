@@ -14,7 +14,7 @@ import pytest
 from dormant import LLM
 from dormant.core.config import EngineConfig
 from dormant.core.errors import UnsupportedOptionError
-from dormant.engine.weight_transfer import WeightTransferSessionError
+from dormant.engine.weight_transfer import WeightTransfer, WeightTransferSessionError
 from dormant.vllm_weight_transfer import packed_chunks
 from tests.engine.conftest import GREEDY, PROMPTS, tokens
 from tests.engine.vllm_trainer import SMALL_BUFFER, init_info, start_trainer, update_info
@@ -102,3 +102,48 @@ def test_packed_chunks_end_with_the_tensor_that_passes_the_buffer() -> None:
     assert list(packed_chunks(sizes, int, 5)) == [[3, 3], [3, 10], [1, 1]]
     assert list(packed_chunks(sizes, int, 100)) == [sizes]
     assert list(packed_chunks([], int, 5)) == []
+
+
+class _Refits:
+    """Records what ``WeightTransfer`` asks of every rank (no ranks, no group)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.weight_version = "default"
+
+    def init_weights_update_group(self, *args: object) -> None:
+        self.calls.append("init")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.calls.append("destroy")
+
+    def update_weights_from_distributed(self, *args: object, **kwargs: object) -> None:
+        self.calls.append("receive")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"names": "w", "dtype_names": ["float32"], "shapes": [[2]]},  # a string, not a list
+        {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2.5]]},
+        {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2], [3]]},  # lengths differ
+        {"names": ["w"], "dtype_names": [1], "shapes": [[2]]},
+        {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "packed": "yes"},
+        {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "extra": 1},
+    ],
+)
+def test_an_update_that_does_not_say_what_arrives_receives_nothing_and_destroys_the_group(
+    bad: dict,
+) -> None:
+    """The group cannot know what the trainer broadcasts beside such an update, so it receives
+    nothing and destroys the group (the trainer's broadcast then fails instead of waiting),
+    and says so; the session ends."""
+    refits = _Refits()
+    transfer = WeightTransfer(refits, {"backend": "nccl"}, "cpu")  # type: ignore[arg-type]
+    transfer.init({"init_info": init_info(1)})
+    transfer.start()
+    with pytest.raises(WeightTransferSessionError, match="destroyed"):
+        transfer.update({"update_info": bad})
+    assert refits.calls == ["init", "destroy"]
+    with pytest.raises(WeightTransferSessionError, match="init_weight_transfer_engine"):
+        transfer.start()

@@ -2,7 +2,7 @@
 ``abort_request`` reach into vLLM's internals (``output_processor.request_states``,
 ``RequestState.make_request_output`` / ``queue.put``, ``output_processor.abort_requests``,
 ``engine_core.abort_requests_async`` and ``vllm.v1.engine.FinishReason``). ``verl_server.py``
-holds verl's code as verl writes it; ``FinishReason`` comes from ``install_as_vllm``'s
+makes verl's calls in verl's order; ``FinishReason`` comes from ``install_as_vllm``'s
 ``vllm.v1.engine``. Steps are held by a gate, never timed: a timeout only turns a hang into a
 failure.
 """

@@ -36,6 +36,7 @@ def test_template_options_reach_the_template(server) -> None:
     [
         ({"chat_template": "{{ messages }}"}, "--trust-request-chat-template"),
         ({"chat_template_kwargs": {"tokenize": False}}, "may not set"),
+        ({"chat_template_kwargs": {"messages": []}}, "may not set"),
         ({"continue_final_message": True}, "cannot both be true"),
     ],
 )
