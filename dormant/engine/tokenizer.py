@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from dormant.core.generation_config import GENERATION_CONFIG_FILE
 from dormant.engine.incremental_decoding import (
     NUM_BYTE_IDS,
     ByteDecoder,
@@ -37,7 +38,6 @@ _TOKENIZER_FILES = (
     "tokenizer.model",
     "vocab.json",
 )
-_GENERATION_CONFIG_FILE = "generation_config.json"
 # Each byte id's own text, as ``ByteTokenizer.decode([id])`` makes it (a lone byte past ASCII
 # is invalid UTF-8: the replacement character).
 _BYTE_TEXTS = tuple(bytes([b]).decode("utf-8", errors="replace") for b in range(NUM_BYTE_IDS))
@@ -248,7 +248,7 @@ def load_tokenizer(
 
 
 def _generation_config_eos_ids(model_dir: str) -> list[int]:
-    path = os.path.join(model_dir, _GENERATION_CONFIG_FILE)
+    path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
     if not os.path.isfile(path):
         return []
     with open(path, encoding="utf-8") as file:

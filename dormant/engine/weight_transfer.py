@@ -26,8 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from dormant.engine.refits import WeightRefits
 from dormant.errors import EngineError
 from dormant.vllm_weight_transfer import (
@@ -36,6 +34,7 @@ from dormant.vllm_weight_transfer import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+from dormant.worker.devices import memory_device
 
 _INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
 _INIT_OPTIONAL = {"packed", "packed_buffer_size_bytes", "packed_num_buffers", "backend"}
@@ -72,8 +71,7 @@ class WeightTransfer:
 
     def __init__(self, refits: WeightRefits, config: dict[str, Any] | None, device: str) -> None:
         self._refits, self.config = refits, config
-        on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-        self._backend = "gloo" if on_cpu else "nccl"
+        self._backend = "gloo" if memory_device(device, 0) == "host" else "nccl"
         self._group: _Group | None = None
         self._in_session = False
 
