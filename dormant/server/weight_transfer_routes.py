@@ -73,8 +73,9 @@ async def finish_weight_update(request: Request, body: FinishBody | None = None)
 
 
 @router.get("/get_world_size")
-async def get_world_size(request: Request) -> dict[str, int]:
-    """vLLM's: the engine's ranks (a trainer's group has one more: itself)."""
+async def get_world_size(request: Request, include_dp: bool = True) -> dict[str, int]:
+    """vLLM's: the engine's ranks (a trainer's group has one more: itself); dormant runs no
+    data parallelism, so ``include_dp`` changes nothing."""
     return {"world_size": _engine(request).engine.config.tensor_parallel_size}
 
 

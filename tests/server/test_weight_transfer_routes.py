@@ -23,6 +23,7 @@ def test_a_trainer_pushes_weights_through_the_routes(start_server, other_model_d
     expected = _tokens(start_server(other_model_dir))
     server = start_server(engine_options=CONFIG)
     assert server.get("/get_world_size").json() == {"world_size": 1}
+    assert server.get("/get_world_size", params={"include_dp": "false"}).json()["world_size"] == 1
     info = server.get("/server_info", params={"config_format": "json"}).json()
     assert info["vllm_config"]["weight_transfer_config"] == {"backend": "nccl"}
     before = _tokens(server)
